@@ -1,0 +1,345 @@
+"""EAGLE draft head: one Llama decoder layer that autoregresses on target features.
+
+Features
+- Input pair (feature f_t, token x_{t+1}): RMSNorm(embed(x_{t+1})) and RMSNorm(f_t) concatenated,
+  mixed by Linear(2H -> H) (EAGLE-1 style), then ONE Llama decoder layer (pre-norm RMSNorm, GQA
+  attention with standard rotate_half RoPE, SiLU-gated MLP) and a final RMSNorm. The output
+  predicts the target's final post-norm hidden state f_{t+1}; logits come from the target's LM
+  head (bound, never saved).
+- EAGLE-3 style feature fusion: `target_layer_ids` picks several target hidden states (HF
+  `hidden_states` indices, e.g. (2, L//2, L-3)); `fuse` = Linear(n*H -> H) projects their concat.
+  Default (L,) = the final post-norm output, with `fuse` = identity.
+- Optional reduced draft vocabulary: own `lm_head` [Vd, H] plus a saved `d2t` buffer [Vd] holding
+  the TARGET id of each draft id (absolute ids, not EAGLE-3's offsets); `logits` scatters into
+  the target vocab with -inf elsewhere.
+- `forward` runs [B, T] sequences causally (training, multi-step unrolling) or with a KV cache
+  and an explicit bool mask (tree drafting).
+- `draft_session()`: KV-cached Expander for heads/tree.py's `draft_tree` (see EagleSession).
+
+Position convention (training and drafting agree): the pair (f_t, x_{t+1}) sits at position t
+and its output is fhat_{t+1}.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .common import ConfigMixin, DraftHead, TargetSignature, register_head
+
+
+@dataclass
+class EagleConfig(ConfigMixin):
+    hidden_size: int  # must equal target.hidden_size (embeddings / LM head are the target's)
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    target: TargetSignature
+    rms_norm_eps: float = 1e-6  # mirror the target's
+    rope_theta: float = 10000.0  # mirror the target's
+    head_dim: int | None = None  # None -> hidden_size // num_attention_heads
+    target_layer_ids: tuple[int, ...] | None = None  # None -> (num_hidden_layers,) = final output
+    draft_vocab_size: int | None = None  # None -> draft over the full target vocab
+    default_tree: str = "dynamic:60,6,8"
+    acceptance_rates: list[list[float]] | None = None  # [depth][rank], measured after training
+
+    def __post_init__(self) -> None:
+        if isinstance(self.target, dict):
+            self.target = TargetSignature.from_dict(self.target)
+        if self.hidden_size != self.target.hidden_size:
+            raise ValueError(
+                f"EagleConfig.hidden_size={self.hidden_size} != target hidden_size="
+                f"{self.target.hidden_size}; the head works in the target's hidden space"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        num_layers = self.target.num_hidden_layers
+        ids = (num_layers,) if self.target_layer_ids is None else tuple(self.target_layer_ids)
+        if not ids or any(not -num_layers - 1 <= i <= num_layers for i in ids):
+            raise ValueError(
+                f"target_layer_ids={ids} out of range for a {num_layers}-layer target "
+                f"(valid: 0..{num_layers}, or negative HF hidden_states indices)"
+            )
+        self.target_layer_ids = tuple(i % (num_layers + 1) for i in ids)  # -1 -> num_layers
+        vd = self.draft_vocab_size
+        if vd is not None and not 0 < vd <= self.target.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size={self.draft_vocab_size} must be in 1..{self.target.vocab_size}"
+            )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Llama: normalise in float32, cast back, then scale.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """positions [B, T] -> cos, sin [B, 1, T, head_dim] (float32)."""
+    inv_freq = 1.0 / theta ** (
+        torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
+    )
+    freqs = positions.float()[..., None] * inv_freq  # [B, T, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, T, D]
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)  # rotate_half
+    return (x.float() * cos + rotated * sin).to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    """One Llama decoder layer: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, c: EagleConfig) -> None:
+        super().__init__()
+        self.c = c
+        h, d, nh, nkv = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
+        self.attn_norm = RMSNorm(h, c.rms_norm_eps)
+        self.q_proj = nn.Linear(h, nh * d, bias=False)
+        self.k_proj = nn.Linear(h, nkv * d, bias=False)
+        self.v_proj = nn.Linear(h, nkv * d, bias=False)
+        self.o_proj = nn.Linear(nh * d, h, bias=False)
+        self.mlp_norm = RMSNorm(h, c.rms_norm_eps)
+        self.gate_proj = nn.Linear(h, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, h, bias=False)
+
+    def attention(self, x: Tensor, positions: Tensor, past_kv, attn_mask):
+        c = self.c
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [B, nh|nkv, T, D]
+        new_kv = (k, v)  # cached post-RoPE, for these T tokens only
+        if past_kv is not None:
+            k, v = torch.cat([past_kv[0], k], dim=2), torch.cat([past_kv[1], v], dim=2)
+        S = k.shape[2]  # S_past + T
+        if attn_mask is None:
+            # causal over past + current: query i (position S-T+i) sees keys 0..S-T+i
+            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
+        else:
+            if tuple(attn_mask.shape) != (B, T, S) or attn_mask.dtype != torch.bool:
+                raise ValueError(
+                    f"attn_mask must be bool [B, T, S_past+T] = [{B}, {T}, {S}], "
+                    f"got {attn_mask.dtype} {list(attn_mask.shape)}"
+                )
+            mask = attn_mask[:, None]  # [B, 1, T, S]
+        groups = c.num_attention_heads // c.num_key_value_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # GQA
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, nh, T, D]
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1)), new_kv
+
+    def forward(self, x: Tensor, positions: Tensor, past_kv=None, attn_mask=None):
+        a, new_kv = self.attention(self.attn_norm(x), positions, past_kv, attn_mask)
+        x = x + a
+        h = self.mlp_norm(x)
+        x = x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        return x, new_kv
+
+
+@register_head("eagle")
+class EagleHead(DraftHead):
+    config_class = EagleConfig
+
+    def __init__(self, config: EagleConfig) -> None:
+        super().__init__(config)
+        h, n = config.hidden_size, len(config.target_layer_ids)
+        self.fuse = nn.Linear(n * h, h, bias=False) if n > 1 else nn.Identity()
+        self.embed_norm = RMSNorm(h, config.rms_norm_eps)
+        self.feature_norm = RMSNorm(h, config.rms_norm_eps)
+        self.combine = nn.Linear(2 * h, h, bias=False)
+        self.layer = DecoderLayer(config)
+        self.final_norm = RMSNorm(h, config.rms_norm_eps)
+        if config.draft_vocab_size is not None:
+            self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)  # [Vd, H]
+            self.register_buffer("d2t", torch.arange(config.draft_vocab_size))  # draft -> target id
+
+    def set_draft_vocab(self, target_ids: Tensor, init_from_target: bool = True) -> None:
+        """Set the target id of each draft id; optionally copy those rows of the target LM head."""
+        vd, v = self.config.draft_vocab_size, self.config.target.vocab_size
+        if vd is None:
+            raise ValueError("this head drafts over the full target vocab (draft_vocab_size=None)")
+        ids = torch.as_tensor(target_ids, dtype=torch.long)
+        if ids.shape != (vd,) or ids.unique().numel() != vd or ids.min() < 0 or ids.max() >= v:
+            raise ValueError(f"target_ids must be {vd} distinct ids in 0..{v - 1}")
+        self.d2t.copy_(ids)
+        if init_from_target:
+            with torch.no_grad():
+                self.lm_head.weight.copy_(self._bound("target_lm_head")[ids.to(self.d2t.device)])
+
+    def project(self, target_hidden: Tensor) -> Tensor:
+        """target_hidden [..., T, n*H] (layers of target_layer_ids, concatenated) -> [..., T, H]."""
+        want = len(self.config.target_layer_ids) * self.config.hidden_size
+        if target_hidden.shape[-1] != want:
+            raise ValueError(
+                f"target hidden has last dim {target_hidden.shape[-1]}, expected {want} = "
+                f"{len(self.config.target_layer_ids)} layers {self.config.target_layer_ids} x "
+                f"hidden {self.config.hidden_size}"
+            )
+        return self.fuse(target_hidden)
+
+    def forward(self, features: Tensor, input_ids: Tensor, positions: Tensor,
+                past_kv: tuple[Tensor, Tensor] | None = None, attn_mask: Tensor | None = None):
+        """Run pairs (features[b, t], input_ids[b, t]) at positions[b, t].
+
+        features [B, T, H] (projected), input_ids/positions [B, T]; past_kv (k, v) [B, Hkv, S, D];
+        attn_mask bool [B, T, S+T] (True = attend), None = causal over past + current.
+        Returns out_features [B, T, H] (predicted next features) and (k, v) [B, Hkv, T, D] of
+        these T tokens.
+        """
+        embed = self._bound("target_embed")
+        e = F.embedding(input_ids, embed).to(features.dtype)  # [B, T, H]
+        x = self.combine(torch.cat([self.embed_norm(e), self.feature_norm(features)], dim=-1))
+        x, new_kv = self.layer(x, positions, past_kv, attn_mask)
+        return self.final_norm(x), new_kv
+
+    def draft_logits(self, feature: Tensor) -> Tensor:
+        """[..., H] -> [..., Vd] over the draft vocab (or [..., V] without one)."""
+        if self.config.draft_vocab_size is None:
+            return F.linear(feature, self._bound("target_lm_head").to(feature.dtype))
+        return self.lm_head(feature)
+
+    def logits(self, feature: Tensor) -> Tensor:
+        """[..., H] -> [..., V_target]; with a draft vocab, -inf outside it."""
+        lg = self.draft_logits(feature)
+        if self.config.draft_vocab_size is None:
+            return lg
+        full = lg.new_full((*lg.shape[:-1], self.config.target.vocab_size), float("-inf"))
+        return full.index_copy(-1, self.d2t, lg)
+
+    def draft_session(self) -> EagleSession:
+        return EagleSession(self)
+
+    @classmethod
+    def target_problems(cls, config: EagleConfig, target: TargetSignature) -> list[str]:
+        out = config.target.mismatches(target)
+        L = target.num_hidden_layers
+        if any(i > L for i in config.target_layer_ids):
+            out.append(
+                f"head reads target layers {config.target_layer_ids}, target has only {L} "
+                f"layers (valid ids 0..{L})"
+            )
+        return out
+
+
+class EagleSession:
+    """Stateful drafting with an EagleHead (batch 1); implements heads/tree.py's Expander.
+
+    Positions, with n = number of committed pairs so far (the root token x_n is the bonus token):
+    - commit: pair (f_t, x_{t+1}) sits at position t; the root pair (f_{n-1}, x_n) at n-1.
+      Its output fhat_n is the ROOT feature; expand([0]) = log_softmax(logits(fhat_n)).
+    - a tree node at depth d >= 1 with token y (a candidate for x_{n+d}) runs the pair
+      (fhat of its PARENT, y) at position n-1+d and attends to every committed pair, the pairs
+      of its depth>=1 ancestors, and itself. Its output is the feature whose logits give its
+      children. This is exactly what a chain commit of the path would compute.
+    Node KVs live until the next commit (or the next expand([0]), which starts a new tree).
+    """
+
+    def __init__(self, head: EagleHead) -> None:
+        self.head = head
+        self.length = 0  # committed pairs = next pair position
+        self.kv: tuple[Tensor, Tensor] | None = None  # committed cache [1, Hkv, length, D]
+        self.last_token: int | None = None
+        self.root_feature: Tensor | None = None  # [H] output of the last committed pair
+        self._reset_tree()
+
+    def _reset_tree(self) -> None:
+        self.feat: dict[int, Tensor] = {0: self.root_feature}  # node -> output feature [H]
+        self.depth: dict[int, int] = {0: 0}
+        self.tree_nodes: list[int] = []  # node id of each tree KV slot
+        self.tree_kv: tuple[Tensor, Tensor] | None = None  # [1, Hkv, len(tree_nodes), D]
+
+    @torch.no_grad()
+    def commit(self, target_hidden: Tensor, tokens: Tensor) -> None:
+        """Append pairs (target_hidden[i], tokens[i]); target_hidden [T, n*H], tokens [T]."""
+        if target_hidden.ndim != 2 or tokens.shape != (target_hidden.shape[0],) or not len(tokens):
+            raise ValueError(
+                f"commit expects target_hidden [T, n*H] and tokens [T] with T >= 1, got "
+                f"{list(target_hidden.shape)} and {list(tokens.shape)}"
+            )
+        p = next(self.head.parameters())
+        feats = self.head.project(target_hidden.to(p.device, p.dtype))[None]  # [1, T, H]
+        T = feats.shape[1]
+        pos = torch.arange(self.length, self.length + T, device=p.device)[None]
+        out, (k, v) = self.head(feats, tokens.to(p.device)[None], pos, self.kv)
+        self.kv = (k, v) if self.kv is None else (
+            torch.cat([self.kv[0], k], 2), torch.cat([self.kv[1], v], 2))
+        self.length += T
+        self.last_token = int(tokens[-1])
+        self.root_feature = out[0, -1]
+        self._reset_tree()
+
+    @torch.no_grad()
+    def expand(self, tree, nodes: list[int]) -> Tensor:
+        """Log-probs [len(nodes), V_target] of each node's CHILD token (float32)."""
+        if self.length == 0:
+            raise RuntimeError("commit target hidden states before drafting (nothing committed)")
+        if 0 in nodes:
+            root = int(tree.tokens[0])
+            if root != self.last_token:
+                raise ValueError(
+                    f"tree root token {root} != last committed token {self.last_token}; "
+                    "the root must be the bonus token passed last to commit"
+                )
+            self._reset_tree()
+        parents = [int(x) for x in tree.parents.tolist()]
+        todo = [n for n in dict.fromkeys(nodes) if n not in self.feat]
+        while todo:  # normally one wave: callers expand level by level
+            ready = [n for n in todo if parents[n] in self.feat]
+            if not ready:
+                raise ValueError(f"cannot expand nodes {todo}: their parents were never expanded")
+            self._run(tree, parents, ready)
+            todo = [n for n in todo if n not in self.feat]
+        feats = torch.stack([self.feat[n] for n in nodes])  # [N, H]
+        return torch.log_softmax(self.head.logits(feats).float(), dim=-1)
+
+    def _run(self, tree, parents: list[int], nodes: list[int]) -> None:
+        """One batched forward over `nodes` (all parents already have features)."""
+        dev = self.kv[0].device
+        for n in nodes:
+            self.depth[n] = self.depth[parents[n]] + 1  # parents ran before their children
+        feats = torch.stack([self.feat[parents[n]] for n in nodes])[None]  # [1, T, H]
+        ids = tree.tokens[nodes].to(dev)[None]  # [1, T]
+        pos = torch.tensor([self.length - 1 + self.depth[n] for n in nodes], device=dev)[None]
+        # mask [1, T, length + M + T]: all committed pairs; earlier tree slots that are
+        # ancestors; among the current nodes only the node itself.
+        M, T = len(self.tree_nodes), len(nodes)
+        mask = torch.zeros(T, self.length + M + T, dtype=torch.bool, device=dev)
+        mask[:, : self.length] = True
+        slot = {node: j for j, node in enumerate(self.tree_nodes)}
+        for i, n in enumerate(nodes):
+            a = parents[n]
+            while a > 0:
+                mask[i, self.length + slot[a]] = True
+                a = parents[a]
+            mask[i, self.length + M + i] = True
+        past = self.kv if self.tree_kv is None else (
+            torch.cat([self.kv[0], self.tree_kv[0]], 2),
+            torch.cat([self.kv[1], self.tree_kv[1]], 2),
+        )
+        out, (k, v) = self.head(feats, ids, pos, past, mask[None])
+        self.tree_kv = (k, v) if self.tree_kv is None else (
+            torch.cat([self.tree_kv[0], k], 2), torch.cat([self.tree_kv[1], v], 2))
+        self.tree_nodes += nodes
+        for i, n in enumerate(nodes):
+            self.feat[n] = out[0, i]

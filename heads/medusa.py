@@ -1,0 +1,126 @@
+"""Medusa draft heads: K small residual heads on the target's final hidden state.
+
+Features
+- Head k (k = 1..K) maps the target's final post-norm hidden state at position t to logits for
+  token t+1+k (the target's own LM head already gives token t+1).
+- Each head: `num_layers` residual blocks x + SiLU(Linear(x)), zero-initialised so an untrained
+  head starts as the target's LM head; then the target's LM head (bound, never saved) or, with
+  `own_lm_head`, a per-head Linear(H -> V) that is saved.
+- `draft_session()`: an Expander whose distribution depends only on a node's depth (root ->
+  head 1), not on the parent token; trees deeper than K are refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .common import ConfigMixin, DraftHead, TargetSignature, node_depth, register_head
+
+
+@dataclass
+class MedusaConfig(ConfigMixin):
+    hidden_size: int  # must equal target.hidden_size
+    vocab_size: int  # must equal target.vocab_size
+    num_heads: int  # K
+    target: TargetSignature
+    num_layers: int = 1  # residual blocks per head
+    own_lm_head: bool = False  # True: each head has (and saves) its own [V, H] LM head
+    default_tree: str = "static:32"
+    acceptance_rates: list[list[float]] | None = None  # [depth][rank], measured after training
+
+    def __post_init__(self) -> None:
+        if isinstance(self.target, dict):
+            self.target = TargetSignature.from_dict(self.target)
+        for name in ("hidden_size", "vocab_size"):
+            if getattr(self, name) != getattr(self.target, name):
+                raise ValueError(
+                    f"MedusaConfig.{name}={getattr(self, name)} != target "
+                    f"{name}={getattr(self.target, name)}"
+                )
+        if self.num_heads < 1 or self.num_layers < 0:
+            raise ValueError(f"need num_heads >= 1 and num_layers >= 0, got {self}")
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        return (self.target.num_hidden_layers,)  # the final post-norm hidden state
+
+
+class ResBlock(nn.Module):
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)  # identity at init (Medusa)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + F.silu(self.linear(x))
+
+
+@register_head("medusa")
+class MedusaHeads(DraftHead):
+    config_class = MedusaConfig
+
+    def __init__(self, config: MedusaConfig) -> None:
+        super().__init__(config)
+        h = config.hidden_size
+        self.heads = nn.ModuleList(
+            nn.Sequential(*[ResBlock(h) for _ in range(config.num_layers)])
+            for _ in range(config.num_heads)
+        )
+        if config.own_lm_head:
+            self.lm_heads = nn.ModuleList(
+                nn.Linear(h, config.vocab_size, bias=False) for _ in range(config.num_heads)
+            )
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        """hidden [..., H] (target final hidden at t) -> logits [..., K, V] (tokens t+2..t+1+K)."""
+        h = torch.stack([head(hidden) for head in self.heads], dim=-2)  # [..., K, H]
+        if self.config.own_lm_head:
+            return torch.stack([lm(h[..., k, :]) for k, lm in enumerate(self.lm_heads)], dim=-2)
+        return F.linear(h, self._bound("target_lm_head").to(h.dtype))
+
+    def draft_session(self) -> MedusaSession:
+        return MedusaSession(self)
+
+
+class MedusaSession:
+    """Expander for heads/tree.py: a depth-d node's children come from head d+1.
+
+    With the last committed target hidden f_{n-1} (root = bonus token x_n at position n), head k
+    predicts x_{n+k}; children of a depth-d node are at depth d+1, i.e. token x_{n+d+1}.
+    """
+
+    def __init__(self, heads: MedusaHeads) -> None:
+        self.heads = heads
+        self.logprobs: Tensor | None = None  # [K, V] float32, for the last commit
+
+    @torch.no_grad()
+    def commit(self, target_hidden: Tensor, tokens: Tensor) -> None:
+        """Keep the last target hidden; target_hidden [T, H], tokens [T] (unused by Medusa)."""
+        if target_hidden.ndim != 2 or target_hidden.shape[0] < 1:
+            raise ValueError(
+                f"commit expects target_hidden [T, H], got {list(target_hidden.shape)}"
+            )
+        p = next(self.heads.parameters(), None)
+        last = target_hidden[-1]
+        if p is not None:
+            last = last.to(p.device, p.dtype)
+        self.logprobs = torch.log_softmax(self.heads(last).float(), dim=-1)  # [K, V]
+
+    def expand(self, tree, nodes: list[int]) -> Tensor:
+        """Log-probs [len(nodes), V] of head depth(node)+1 for each node."""
+        if self.logprobs is None:
+            raise RuntimeError("commit target hidden states before drafting (nothing committed)")
+        K = self.heads.config.num_heads
+        parents = [int(x) for x in tree.parents.tolist()]
+        depths = [node_depth(parents, n) for n in nodes]
+        for n, d in zip(nodes, depths, strict=True):
+            if d >= K:
+                raise ValueError(
+                    f"medusa head has {K} heads; tree depth must be <= {K} (node {n} is at "
+                    f"depth {d}, its children would be at depth {d + 1})"
+                )
+        return self.logprobs[depths]

@@ -1,0 +1,137 @@
+"""Reference tree speculative decoding, in plain torch: the ground truth for the vLLM plugin.
+
+One loop, batch 1, no tricks (like gpt-fast's ``speculative_decode``):
+  1. the head drafts a token tree rooted at the last committed token (``draft_tree``);
+  2. the target runs ONCE over the tree's nodes: node i at position ``prefix + depth[i]``,
+     seeing the committed prefix and its own tree ancestors only (``ancestor_mask``);
+  3. ``verify_tree`` walks the tree with the exact rule (greedy, or one-hot rejection sampling)
+     and returns the accepted path plus one token from the target;
+  4. the accepted nodes' KV moves into the first slots after the prefix (``Target.keep``), the
+     head gets the target's hidden states on the accepted path, and the loop repeats.
+
+The output equals plain decoding with the target: token for token at temperature 0, in
+distribution at temperature > 0 (tests/test_reference.py checks both).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from .sampling import SamplingParams, sample, verify_tree
+from .tree import TreeSpec, draft_tree
+
+
+GREEDY = SamplingParams()
+
+
+class Target(Protocol):
+    """The target model with a KV cache of the committed sequence (batch 1)."""
+
+    length: int  # tokens in the cache
+
+    def reset(self) -> None: ...
+
+    def forward(self, tokens: Tensor, positions: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        """Append tokens [T] at positions [T]; mask [T, T] bool among the new tokens (the cached
+        prefix is always visible). Returns (logits [T, V] float32, hidden [T, H_in])."""
+        ...
+
+    def keep(self, start: int, nodes: Tensor) -> None:
+        """Keep cache entries start + nodes right after the first ``start``; drop the rest."""
+        ...
+
+
+@dataclass
+class DecodeResult:
+    tokens: list[int]  # generated tokens (prompt excluded), at most max_new_tokens
+    accepted: list[int] = field(default_factory=list)  # accepted draft tokens per verify step
+    tree_sizes: list[int] = field(default_factory=list)  # draft nodes per verify step (root excluded)
+
+    @property
+    def num_verify_steps(self) -> int:
+        return len(self.accepted)
+
+
+def _causal(n: int) -> Tensor:
+    return torch.ones(n, n, dtype=torch.bool).tril()
+
+
+def _prefill(target: Target, prompt: list[int]) -> tuple[Tensor, Tensor]:
+    if not prompt:
+        raise ValueError("empty prompt: the decoder needs at least one prompt token")
+    target.reset()
+    n = len(prompt)
+    return target.forward(torch.tensor(prompt), torch.arange(n), _causal(n))
+
+
+def _done(tokens: list[int], max_new_tokens: int, eos: Collection[int]) -> bool:
+    return len(tokens) >= max_new_tokens or (bool(tokens) and tokens[-1] in eos)
+
+
+def _finish(tokens: list[int], max_new_tokens: int, eos: Collection[int]) -> list[int]:
+    """Cut at the first EOS (kept) and at max_new_tokens, as plain decoding would stop."""
+    tokens = tokens[:max_new_tokens]
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
+def plain_generate(
+    target: Target,
+    prompt: list[int],
+    max_new_tokens: int,
+    params: SamplingParams = GREEDY,
+    eos: Collection[int] = (),
+    generator: torch.Generator | None = None,
+) -> DecodeResult:
+    """One target pass per token: the baseline the speculative decoder must reproduce."""
+    logits, _ = _prefill(target, prompt)
+    out = [sample(logits[-1], params, generator)]
+    while not _done(out, max_new_tokens, eos):
+        pos = torch.tensor([target.length])
+        logits, _ = target.forward(torch.tensor(out[-1:]), pos, _causal(1))
+        out.append(sample(logits[-1], params, generator))
+    return DecodeResult(_finish(out, max_new_tokens, eos))
+
+
+def speculative_generate(
+    target: Target,
+    head,  # a treedraft head: has draft_session() -> (commit, expand)
+    prompt: list[int],
+    max_new_tokens: int,
+    spec: TreeSpec,
+    params: SamplingParams = GREEDY,
+    eos: Collection[int] = (),
+    generator: torch.Generator | None = None,
+    acceptance_rates=None,
+) -> DecodeResult:
+    """Tree speculative decoding; same output distribution as ``plain_generate``."""
+    logits, hidden = _prefill(target, prompt)
+    root = sample(logits[-1], params, generator)  # first generated token = root of the first tree
+    session = head.draft_session()
+    # pairs (f_t, x_{t+1}) for t = 0..n-1; the last pair ends with the root
+    session.commit(hidden, torch.tensor(prompt[1:] + [root]))
+    result = DecodeResult([root])
+    while not _done(result.tokens, max_new_tokens, eos):
+        tree = draft_tree(root, session, spec, acceptance_rates)
+        buf = tree.buffers()
+        start = target.length  # the root's position: it is not in the cache yet
+        logits, hidden = target.forward(tree.tokens, start + buf.depths, buf.ancestor_mask)
+        accepted, root = verify_tree(tree.tokens, tree.parents, logits, params, generator)
+        path = torch.tensor([0, *accepted])  # node ids of root + accepted nodes, in order
+        target.keep(start, path)  # accepted KV -> contiguous slots after the prefix
+        new = tree.tokens[path[1:]].tolist() + [root]
+        session.commit(hidden[path], torch.tensor(new))
+        result.tokens += new
+        result.accepted.append(len(accepted))
+        result.tree_sizes.append(tree.tokens.numel() - 1)
+        if any(t in eos for t in new[:-1]):
+            break  # EOS inside the accepted path: plain decoding would have stopped there
+    result.tokens = _finish(result.tokens, max_new_tokens, eos)
+    return result

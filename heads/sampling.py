@@ -1,0 +1,235 @@
+"""Target-side sampling and lossless token-tree verification: the pure-torch reference.
+
+Features:
+- `SamplingParams` + `process_logits`: the target distribution exactly as vLLM 0.32's sampler
+  builds it (float32 logits / temperature, top-k, top-p as in `apply_top_k_top_p`, float32
+  softmax); greedy when temperature < 1e-5. Works on any batch shape [..., V].
+- `sample`: plain sampling from that distribution (greedy -> argmax, else torch.multinomial).
+- `verify_tree`: verification of a drafted token tree, greedy or sampled. The committed tokens
+  have exactly the target's distribution whatever the draft proposed (proof next to the code).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .tree import Device, validate_parents
+
+SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below it mean greedy
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # < SAMPLING_EPS -> greedy
+    top_k: int = 0  # 0 or -1 -> off
+    top_p: float = 1.0  # 1 -> off
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if not (isinstance(t, int | float) and math.isfinite(t) and t >= 0):
+            raise ValueError(
+                f"temperature = {self.temperature!r} must be a finite number >= 0 (0 = greedy)"
+            )
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+            raise ValueError(
+                f"top_k = {self.top_k!r} must be an integer >= 1, or 0 / -1 to disable it"
+            )
+        if not (isinstance(self.top_p, int | float) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p = {self.top_p!r} must be in (0, 1] (1 disables it)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+
+def make_generator(params: SamplingParams, device: Device = None) -> torch.Generator | None:
+    """A generator seeded with `params.seed`, or None (torch's global RNG) when there is no seed."""
+    if params.seed is None:
+        return None
+    device = torch.device("cpu") if device is None else device
+    return torch.Generator(device=device).manual_seed(params.seed)
+
+
+@functools.lru_cache(maxsize=64)
+def _one_minus_float32(p: float) -> float:
+    """1 - p computed in float32, as vLLM does with its float32 top-p tensor."""
+    return float(1 - torch.tensor(p, dtype=torch.float32))
+
+
+def _apply_top_p(logits: Tensor, top_p: float) -> Tensor:
+    """vLLM `apply_top_k_top_p`'s top-p on float32 logits [..., V]; dropped tokens -> -inf.
+
+    Ascending sort, cumulative softmax mass; drop tokens whose cumulative mass (own included) is
+    <= 1 - p, i.e. keep a token iff the mass strictly above it is < p; always keep the largest.
+    Ties: vLLM's unstable sort leaves their order open; we sort stably so that among equal
+    logits the higher token id is dropped first (deterministic, and consistent with argmax).
+    """
+    desc, idx = logits.sort(dim=-1, descending=True, stable=True)
+    asc, idx = desc.flip(-1), idx.flip(-1)  # [..., V] ascending, ties: higher id first
+    cum = asc.softmax(dim=-1).cumsum(dim=-1)
+    drop = cum <= _one_minus_float32(top_p)
+    drop[..., -1] = False  # at least one token
+    return torch.empty_like(logits).scatter_(-1, idx, asc.masked_fill(drop, float("-inf")))
+
+
+def filter_logits(logits: Tensor, params: SamplingParams) -> Tensor:
+    """float32 logits [..., V] after temperature, top-k, top-p (dropped: -inf); sampling only."""
+    x = logits.float() / params.temperature  # new tensor: the caller's logits are left alone
+    if 0 < params.top_k < x.shape[-1]:
+        kth = x.topk(params.top_k, dim=-1).values[..., -1:]  # [..., 1] k-th largest
+        x = x.masked_fill(x < kth, float("-inf"))  # ties with the k-th value are kept
+    if params.top_p < 1.0:
+        x = _apply_top_p(x, params.top_p)
+    return x
+
+
+def process_logits(logits: Tensor, params: SamplingParams) -> Tensor:
+    """Target probabilities float32 [..., V] exactly as plain sampling would draw from them.
+
+    Greedy params give the one-hot of argmax (first index among ties, like torch.argmax).
+    """
+    if params.greedy:
+        best = logits.argmax(dim=-1, keepdim=True)  # [..., 1]
+        return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, best, 1.0)
+    return filter_logits(logits, params).softmax(dim=-1)
+
+
+def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
+    """One token from logits [V]: argmax when greedy, else multinomial over `process_logits`."""
+    if logits.dim() != 1:
+        raise ValueError(f"sample takes one row of logits [V], got shape {tuple(logits.shape)}")
+    if params.greedy:
+        return int(logits.argmax())
+    return int(torch.multinomial(process_logits(logits, params), 1, generator=generator))
+
+
+def _children_lists(
+    tree_tokens: Tensor, parents: Tensor | Sequence[int], target_logits: Tensor
+) -> tuple[list[int], list[list[int]]]:
+    tokens = tree_tokens.tolist()
+    par = validate_parents(parents)
+    if tree_tokens.dim() != 1 or len(par) != len(tokens):
+        raise ValueError(
+            f"tree_tokens {tuple(tree_tokens.shape)} and parents ({len(par)}) must both be [N+1]"
+        )
+    if target_logits.dim() != 2 or target_logits.shape[0] != len(tokens):
+        raise ValueError(
+            f"target_logits must be [N+1={len(tokens)}, V], got {tuple(target_logits.shape)}"
+        )
+    children: list[list[int]] = [[] for _ in tokens]
+    for i in range(1, len(par)):
+        children[par[i]].append(i)  # increasing index = draft order
+    return tokens, children
+
+
+def _verify_greedy(
+    tokens: list[int], children: list[list[int]], target_logits: Tensor
+) -> tuple[list[int], int]:
+    best = target_logits.argmax(dim=-1).tolist()  # [N+1] target's greedy token after each node
+    accepted, node = [], 0
+    while True:
+        match = next((c for c in children[node] if tokens[c] == best[node]), None)
+        if match is None:
+            return accepted, best[node]
+        accepted.append(match)
+        node = match
+
+
+def _fallback_token(filtered: Tensor, raw: Tensor, rejected: list[int]) -> int:
+    """Most likely non-rejected token, for when float rounding left no residual mass.
+
+    Exact arithmetic never gets here (the residual has mass 1 - sum p(rejected) > 0 whenever a
+    rejection happened with probability > 0); in float32 it can underflow to 0. Prefer the
+    tokens top-k/top-p kept (finite `filtered` [V]); if all were rejected, use the raw logits [V].
+    """
+    for scores in (filtered, raw.float()):
+        scores = scores.clone()
+        scores[rejected] = float("-inf")
+        if torch.isfinite(scores).any():
+            return int(scores.argmax())
+    raise ValueError(
+        "every token of the vocabulary was rejected: tree children must be distinct tokens"
+    )
+
+
+def _verify_sampled(
+    tokens: list[int],
+    children: list[list[int]],
+    target_logits: Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> tuple[list[int], int]:
+    # Rule at a node with target distribution p and children c_1..c_m (draft order, one-hot
+    # proposals): accept c_j with prob p(c_j); on reject set p(c_j) = 0 and renormalise; if no
+    # child is accepted, sample the bonus token from the final p.
+    # Exactness (induction on m): the token emitted at the node is distributed as p. m = 0: it is
+    # sampled from p. m >= 1: P(emit c_1) = p(c_1); for x != c_1, P(emit x) = (1 - p(c_1)) *
+    # p'(x) with p' = p without c_1, renormalised, by induction on the remaining m - 1 children,
+    # = (1 - p(c_1)) * p(x) / (1 - p(c_1)) = p(x). If the emitted token is a child's, we continue
+    # at that child, whose target row is the target's conditional given the path so far; else
+    # verification stops. By induction on depth, the committed sequence has the target's joint
+    # distribution. Duplicate child tokens stay exact: after the first rejection p(c) = 0.
+    filtered = filter_logits(target_logits, params)  # [N+1, V] float32
+    probs = filtered.softmax(dim=-1)  # [N+1, V] float32, rows exactly as process_logits
+    n, device = len(tokens), target_logits.device
+    # Everything the walk needs, in three transfers: p(node's token | its parent) [N], row sums
+    # [N+1] (1 up to rounding) and one uniform per node for that node's own accept test (a fixed
+    # number of draws per call).
+    parent_of = [p for p, kids in enumerate(children) for _ in kids]
+    child_ids = [c for kids in children for c in kids]
+    p_token = dict(
+        zip(
+            child_ids,
+            probs[parent_of, [tokens[c] for c in child_ids]].double().tolist(),
+            strict=True,
+        )
+    )
+    row_mass = probs.double().sum(dim=-1).tolist()
+    uniforms = torch.rand(n, generator=generator, device=device, dtype=torch.float64).tolist()
+    accepted, node = [], 0
+    while True:
+        remaining = row_mass[node]  # residual mass of p after the rejections so far
+        rejected: list[int] = []
+        for c in children[node]:
+            p_c = 0.0 if tokens[c] in rejected else p_token[c]  # a repeated token was removed
+            if remaining > 0 and uniforms[c] < p_c / remaining:  # p'(c) = p(c) / residual mass
+                accepted.append(c)
+                node = c
+                break
+            rejected.append(tokens[c])
+            remaining -= p_c
+        else:
+            if not rejected:  # a leaf: plain sampling from p
+                return accepted, int(torch.multinomial(probs[node], 1, generator=generator))
+            residual = probs[node].clone()  # [V]
+            residual[rejected] = 0.0
+            if not residual.sum() > 0:
+                return accepted, _fallback_token(filtered[node], target_logits[node], rejected)
+            return accepted, int(torch.multinomial(residual, 1, generator=generator))
+
+
+def verify_tree(
+    tree_tokens: Tensor,
+    parents: Tensor | Sequence[int],
+    target_logits: Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], int]:
+    """Accepted node ids along one root->node path (root excluded) and the next token to commit.
+
+    tree_tokens [N+1] (tokens[0] = root), parents [N+1], target_logits [N+1, V] where row i is the
+    target's logits for the token after node i. Greedy: follow the child whose token is the
+    target's argmax; the bonus is the argmax at the last accepted node. Sampling: see the rule in
+    `_verify_sampled`; `generator` (on target_logits' device) makes it reproducible.
+    """
+    tokens, children = _children_lists(tree_tokens, parents, target_logits)
+    if params.greedy:
+        return _verify_greedy(tokens, children, target_logits)
+    return _verify_sampled(tokens, children, target_logits, params, generator)

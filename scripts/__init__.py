@@ -1,0 +1,1 @@
+"""treedraft.scripts: the ``treedraft`` command line (thin entry points)."""

@@ -1,0 +1,134 @@
+"""The ``treedraft`` command: thin subcommands that parse arguments and call one function.
+
+    treedraft model smollm2-135m                    # materialize / resolve a model, print its folder
+    treedraft prompts sharegpt --limit 3            # look at a prompt set
+    treedraft demo                                  # the main job on the embedded default target
+    treedraft eval --head none --prompts mtbench    # offline acceptance evaluator (reference decoder)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+Command = tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], None]]
+COMMANDS: dict[str, Command] = {}
+
+
+def command(name: str, add_arguments: Callable[[argparse.ArgumentParser], None]):
+    """Register ``fn(args)`` as subcommand ``name``; ``add_arguments(parser)`` adds its flags."""
+
+    def wrap(fn):
+        COMMANDS[name] = (add_arguments, fn)
+        return fn
+
+    return wrap
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", help="embedded short name, local Hugging Face folder, or hub id")
+    p.add_argument("--force", action="store_true", help="re-materialize an embedded model")
+
+
+@command("model", _model_args)
+def cmd_model(args: argparse.Namespace) -> None:
+    """Resolve a model argument (materializing embedded models once) and print the folder."""
+    from treedraft.training.models import EMBEDDED_MODELS, materialize, resolve_model
+
+    if args.force and args.name in EMBEDDED_MODELS:
+        print(materialize(args.name, force=True))
+    else:
+        print(resolve_model(args.name))
+
+
+
+def _prompts_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("source", help="mtbench | sharegpt | humaneval | FILE.jsonl")
+    p.add_argument("--limit", type=int, default=3)
+
+
+@command("prompts", _prompts_args)
+def cmd_prompts(args: argparse.Namespace) -> None:
+    """Print the size of a prompt set and its first rows."""
+    import json
+
+    from treedraft.training.data import load_prompts
+
+    ds = load_prompts(args.source)
+    print(f"{args.source}: {len(ds)} prompts")
+    for row in ds.select(range(min(args.limit, len(ds)))):
+        print(json.dumps(row, ensure_ascii=False)[:300])
+
+
+
+def _demo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--num-prompts", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+
+
+@command("demo", _demo_args)
+def cmd_demo(args: argparse.Namespace) -> None:
+    """Main job on the embedded default: materialize the target, answer MT-bench questions with
+    vLLM, and check that the reference tree decoder reproduces vLLM's greedy answer."""
+    from treedraft.scripts.demo import run_demo
+
+    run_demo(args.target, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens)
+
+
+
+def _eval_args(p: argparse.ArgumentParser) -> None:
+    from treedraft.training.evaluate import EvalConfig
+
+    d = EvalConfig()
+    p.add_argument("--target", default=d.target, help="short name, HF folder or hub id")
+    p.add_argument("--head", default=d.head, help="checkpoint folder, shipped head name, or 'none'")
+    p.add_argument("--prompts", default=d.prompts, help="mtbench | humaneval | sharegpt | FILE.jsonl")
+    p.add_argument("--tree", default=None,
+                   help="chain:K | JSON paths | static:NODES | dynamic:NODES,DEPTH[,TOPK] "
+                        "(default: the head's default_tree)")
+    p.add_argument("--temperature", type=float, default=d.temperature)
+    p.add_argument("--top-p", type=float, default=d.top_p)
+    p.add_argument("--top-k", type=int, default=d.top_k)
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--limit", type=int, default=None, help="first N prompts only")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--json", default=None, help="write the full report here")
+
+
+@command("eval", _eval_args)
+def cmd_eval(args: argparse.Namespace) -> None:
+    """Offline acceptance evaluator: the reference tree decoder over a prompt set."""
+    import json
+
+    from treedraft.training.evaluate import EvalConfig, evaluate, write_report
+
+    cfg = EvalConfig(target=args.target, head=args.head, prompts=args.prompts, tree=args.tree,
+                     temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                     max_new_tokens=args.max_new_tokens, limit=args.limit, seed=args.seed)
+    report = evaluate(cfg)
+    if args.json:
+        write_report(report, args.json)
+    summary = {k: v for k, v in report.items() if k not in ("outputs", "config")}
+    print(json.dumps(summary, indent=1))
+
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="treedraft", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (add_arguments, fn) in COMMANDS.items():
+        p = sub.add_parser(name, help=(fn.__doc__ or "").splitlines()[0], description=fn.__doc__)
+        add_arguments(p)
+        p.set_defaults(_fn=fn)
+    args = parser.parse_args(argv)
+    try:
+        args._fn(args)
+    except (ValueError, FileNotFoundError) as e:
+        # Bad input: a clear one-line message and a non-zero exit, not a traceback.
+        sys.exit(f"treedraft {args.command}: error: {e}")
+
+
+if __name__ == "__main__":
+    main()

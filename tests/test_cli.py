@@ -1,0 +1,77 @@
+"""The `treedraft` command end to end (real console script, real SmolLM2).
+
+* `treedraft eval` with a randomly initialized EAGLE head: tau ~ 1 (nothing to accept), every
+  metric present, and greedy outputs identical to the `--head none` plain-decoding baseline.
+* Bad input stops with one clear line and a non-zero exit: unknown model, bad tree spec,
+  a JSONL line with neither `prompt` nor `messages`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# the console script of the environment running the tests
+TREEDRAFT = shutil.which("treedraft", path=str(Path(sys.executable).parent))
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    assert TREEDRAFT, "the treedraft console script is not installed"
+    return subprocess.run([TREEDRAFT, *args], capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def random_eagle(tmp_path_factory) -> Path:
+    from treedraft.training.target import init_head, load_target
+
+    loaded = load_target("smollm2-135m")
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("heads") / "random-eagle"
+    init_head("eagle", loaded.model, loaded.tokenizer).save_pretrained(path)
+    return path
+
+
+@pytest.mark.slow
+def test_eval_random_head_matches_plain_decoding(random_eagle, tmp_path):
+    common = ["--prompts", "mtbench", "--limit", "2", "--max-new-tokens", "12"]
+    spec = run("eval", "--head", str(random_eagle), "--tree", "chain:3", *common,
+               "--json", str(tmp_path / "spec.json"))
+    assert spec.returncode == 0, spec.stderr
+    plain = run("eval", "--head", "none", *common, "--json", str(tmp_path / "plain.json"))
+    assert plain.returncode == 0, plain.stderr
+    s = json.loads((tmp_path / "spec.json").read_text())
+    p = json.loads((tmp_path / "plain.json").read_text())
+    for key in ("mean_acceptance_length", "per_position_acceptance", "num_verify_steps",
+                "tokens_generated", "tree", "alpha_implied"):
+        assert key in s, key
+    assert s["tree"] == "chain:3" and len(s["per_position_acceptance"]) == 3
+    assert 1.0 <= s["mean_acceptance_length"] < 1.1, s["mean_acceptance_length"]
+    assert [o["tokens"] for o in s["outputs"]] == [o["tokens"] for o in p["outputs"]]
+    assert json.loads(spec.stdout)["tokens_generated"] == s["tokens_generated"]
+
+
+def test_unknown_model_is_one_clear_line():
+    r = run("model", "smollm3")
+    assert r.returncode != 0
+    assert "unknown model 'smollm3'" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_bad_tree_spec_is_refused(random_eagle):
+    r = run("eval", "--head", str(random_eagle), "--tree", "chain:0", "--limit", "1")
+    assert r.returncode != 0
+    assert "chain:K" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bad_jsonl_line_names_the_line(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "hi"}\n{"text": "no prompt here"}\n')
+    r = run("prompts", str(f))
+    assert r.returncode != 0
+    assert "line 2" in r.stderr and "prompt" in r.stderr and "messages" in r.stderr

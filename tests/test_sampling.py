@@ -1,0 +1,320 @@
+"""heads/sampling.py: `process_logits` against an independent float64 implementation of vLLM's
+sampler semantics; EXACTNESS of tree verification by enumeration (the distribution of the first
+one and two committed tokens under the acceptance rule equals the target's, TV <= 1e-6, on many
+random trees, vocabularies and sampling settings); a Monte Carlo check that `verify_tree` follows
+that rule; greedy verification on hand-made trees; seed reproducibility; input validation."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from treedraft.heads.sampling import (
+    SamplingParams,
+    _fallback_token,
+    make_generator,
+    process_logits,
+    sample,
+    verify_tree,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    # Tiny tensors: intra-op threads only add contention on a shared machine (40x slower here).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ----------------------------------------------------------------------------- process_logits
+
+
+def softmax(x):
+    top = max(x)
+    e = [math.exp(v - top) if v != -math.inf else 0.0 for v in x]
+    return [v / sum(e) for v in e]
+
+
+def reference_probs(row, params):
+    """Plain-Python float64 vLLM sampler: greedy, temperature, top-k, top-p, softmax."""
+    v = len(row)
+    if params.temperature < 1e-5:
+        best = row.index(max(row))  # first index among ties
+        return [float(i == best) for i in range(v)]
+    x = [z / params.temperature for z in row]
+    if 0 < params.top_k < v:
+        kth = sorted(x, reverse=True)[params.top_k - 1]
+        x = [z if z >= kth else -math.inf for z in x]
+    if params.top_p < 1:
+        p = softmax(x)
+        keep, mass_above = set(), 0.0
+        for i in sorted(range(v), key=lambda i: (-x[i], i)):  # ties: lower token id first
+            if mass_above < params.top_p or not keep:  # keep iff mass strictly above < top_p
+                keep.add(i)
+            mass_above += p[i]
+        x = [z if i in keep else -math.inf for i, z in enumerate(x)]
+    return softmax(x)
+
+
+PARAM_GRID = [
+    SamplingParams(temperature=t, top_k=k, top_p=p)
+    for t, k, p in itertools.product(
+        (0.0, 0.7, 1.0, 1.6), (0, -1, 1, 3, 8, 10), (1.0, 0.93, 0.6, 0.35)
+    )
+]
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_process_logits_matches_reference(ties):
+    g = torch.Generator().manual_seed(int(ties))
+    logits = 2 * torch.randn(2, 3, 8, generator=g)  # batched [..., V]
+    if ties:
+        logits = torch.randint(-2, 3, (2, 3, 8), generator=g) * 0.5
+    for params in PARAM_GRID:
+        probs = process_logits(logits, params)
+        assert probs.dtype == torch.float32 and probs.shape == logits.shape
+        want = torch.tensor([reference_probs(r, params) for r in logits.reshape(-1, 8).tolist()])
+        torch.testing.assert_close(probs.reshape(-1, 8).double(), want.double(), atol=1e-6, rtol=0)
+
+
+def test_process_logits_leaves_input_alone_and_accepts_half():
+    logits = torch.randn(5, 9).half()
+    before = logits.clone()
+    probs = process_logits(logits, SamplingParams(0.8, top_k=4, top_p=0.9))
+    assert torch.equal(logits, before) and probs.dtype == torch.float32
+    torch.testing.assert_close(probs.sum(-1), torch.ones(5))
+
+
+def test_sampling_params_validation():
+    assert SamplingParams().greedy and SamplingParams(temperature=1e-6).greedy
+    assert not SamplingParams(temperature=1e-5).greedy
+    for bad, match in [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(temperature=math.nan), "temperature"),
+        (dict(top_k=-2), "top_k"),
+        (dict(top_k=2.5), "top_k"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(**bad)
+
+
+def test_sample_greedy_seeded_and_restricted():
+    logits = torch.tensor([0.1, 2.0, 2.0, -1.0])
+    assert sample(logits, SamplingParams()) == 1  # first index among ties
+    params = SamplingParams(temperature=1.0, top_k=2, seed=7)
+    draws = [sample(logits, params, make_generator(params)) for _ in range(5)]
+    assert len(set(draws)) == 1 and draws[0] in (1, 2)  # same seed, same draw; only top-2
+    gen = make_generator(params)
+    assert {sample(logits, params, gen) for _ in range(200)} == {1, 2}
+    with pytest.raises(ValueError, match=r"one row of logits \[V\]"):
+        sample(logits[None], params)
+
+
+# ----------------------------------------------------------------------------- exactness
+
+
+def random_tree(g, vocab, depth):
+    """Tokens and children of a random tree: root has 2-3 children, others 0-2; distinct siblings."""
+    tokens, parents, depths = [int(torch.randint(vocab, (), generator=g))], [-1], [0]
+    i = 0
+    while i < len(tokens):
+        low, high = (2, 4) if i == 0 else (0, 3)
+        m = int(torch.randint(low, high, (), generator=g)) if depths[i] < depth else 0
+        for t in torch.randperm(vocab, generator=g)[:m].tolist():
+            tokens.append(t)
+            parents.append(i)
+            depths.append(depths[i] + 1)
+        i += 1
+    children = [[c for c in range(len(parents)) if parents[c] == i] for i in range(len(parents))]
+    return tokens, parents, children
+
+
+def emission(p, child_tokens, renormalise=True):
+    """The acceptance rule at one node, enumerated: P(child j accepted) for each j in draft order
+    (all earlier children rejected, then accept with the renormalised residual p'(c_j)) and
+    P(no child accepted and the bonus token is x) for each x."""
+    residual, reach, accept = list(p), 1.0, []
+    for tok in child_tokens:
+        mass = sum(residual)
+        q = (residual[tok] / mass if mass > 0 else 0.0) if renormalise else residual[tok]
+        accept.append(reach * q)
+        reach *= 1 - q
+        residual[tok] = 0.0
+    mass = sum(residual)
+    return accept, [reach * r / mass if mass > 0 else 0.0 for r in residual]
+
+
+def committed_at(node, probs, tokens, children, renormalise=True):
+    """Distribution of the token committed at `node` (an accepted child's token or the bonus)."""
+    accept, dist = emission(probs[node], [tokens[c] for c in children[node]], renormalise)
+    for a, c in zip(accept, children[node], strict=True):
+        dist[tokens[c]] += a
+    return dist
+
+
+def analytic_first_two(probs, off_probs, tokens, children, renormalise=True):
+    """P(first committed token), P(first two); after a bonus token the next step is off-tree."""
+    v, kids = len(probs[0]), children[0]
+    accept, bonus = emission(probs[0], [tokens[c] for c in kids], renormalise)
+    first = committed_at(0, probs, tokens, children, renormalise)
+    joint = [[bonus[x1] * off_probs[x1][x2] for x2 in range(v)] for x1 in range(v)]
+    for a, c in zip(accept, kids, strict=True):
+        second = committed_at(c, probs, tokens, children, renormalise)
+        for x2 in range(v):
+            joint[tokens[c]][x2] += a * second[x2]
+    return first, joint
+
+
+def target_first_two(probs, off_probs, tokens, children):
+    child_of = {tokens[c]: c for c in children[0]}
+    rows = [probs[child_of[x]] if x in child_of else off_probs[x] for x in range(len(probs[0]))]
+    return probs[0], [
+        [probs[0][x1] * rows[x1][x2] for x2 in range(len(rows))] for x1 in range(len(rows))
+    ]
+
+
+def tv(a, b):
+    return 0.5 * sum(
+        abs(x - y) for x, y in zip(itertools.chain(*a), itertools.chain(*b), strict=True)
+    )
+
+
+def normalised(probs: torch.Tensor):
+    p = probs.double()
+    return (p / p.sum(-1, keepdim=True)).tolist()
+
+
+EXACT_PARAMS = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_k=3),
+    SamplingParams(temperature=1.3, top_p=0.8),
+    SamplingParams(temperature=0.6, top_k=4, top_p=0.7),
+    SamplingParams(temperature=0.0),
+]
+
+
+def random_case(g):
+    vocab = int(torch.randint(5, 9, (), generator=g))
+    tokens, parents, children = random_tree(
+        g, vocab, depth=int(torch.randint(2, 4, (), generator=g))
+    )
+    logits = 1.5 * torch.randn(len(tokens), vocab, generator=g)  # target logits per node
+    off_logits = 1.5 * torch.randn(vocab, vocab, generator=g)  # next step after off-tree token x1
+    return tokens, parents, children, logits, off_logits
+
+
+def test_verification_rule_is_exact_by_enumeration():
+    g = torch.Generator().manual_seed(0)
+    worst, buggy = 0.0, 0.0
+    for _, params in itertools.product(range(40), EXACT_PARAMS):
+        tokens, _, children, logits, off_logits = random_case(g)
+        probs, off = (
+            normalised(process_logits(logits, params)),
+            normalised(process_logits(off_logits, params)),
+        )
+        first, joint = analytic_first_two(probs, off, tokens, children)
+        want_first, want_joint = target_first_two(probs, off, tokens, children)
+        worst = max(worst, tv([first], [want_first]), tv(joint, want_joint))
+        # Negative control: without renormalisation after a rejection the rule is biased.
+        buggy = max(
+            buggy, tv(analytic_first_two(probs, off, tokens, children, False)[1], want_joint)
+        )
+    assert worst <= 1e-6
+    assert buggy > 0.05  # the enumeration does catch a wrong rule
+
+
+def test_verify_tree_matches_the_rule_monte_carlo():
+    # V = 6, root with 3 children, one of them with 2 children: 36 outcomes for (x1, x2).
+    tokens = torch.tensor([5, 0, 1, 2, 3, 4, 4])
+    parents = [-1, 0, 0, 0, 1, 1, 3]
+    children = [[1, 2, 3], [4, 5], [], [6], [], [], []]
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(7, 6, generator=g)
+    off_logits = torch.randn(6, 6, generator=g)
+    params = SamplingParams(temperature=0.9, top_k=5, top_p=0.95)
+    probs, off = (
+        normalised(process_logits(logits, params)),
+        normalised(process_logits(off_logits, params)),
+    )
+    _, want = target_first_two(probs, off, tokens.tolist(), children)
+    n, counts, off_t = 6000, torch.zeros(6, 6), process_logits(off_logits, params)
+    for _ in range(n):
+        accepted, bonus = verify_tree(tokens, parents, logits, params, g)
+        committed = [int(tokens[a]) for a in accepted] + [bonus]
+        if len(committed) == 1:  # next step starts off the tree
+            committed.append(int(torch.multinomial(off_t[bonus], 1, generator=g)))
+        counts[committed[0], committed[1]] += 1
+    expected = n * torch.tensor(want)
+    cells = expected >= 5
+    chi2 = float(((counts - expected)[cells] ** 2 / expected[cells]).sum())
+    df = int(cells.sum()) - 1
+    assert chi2 < df + 4 * math.sqrt(2 * df), (chi2, df)  # ~ p < 1e-4 under the null
+    assert tv((counts / n).tolist(), want) < 0.05  # sampling noise here is ~0.02
+
+
+def test_sampled_verify_reproducible_with_seed():
+    g = torch.Generator().manual_seed(3)
+    tokens, parents, _, logits, _ = random_case(g)
+    params = SamplingParams(temperature=1.0, seed=11)
+    tokens = torch.tensor(tokens)
+
+    def run(gen):
+        return [verify_tree(tokens, parents, logits, params, gen) for _ in range(30)]
+
+    assert run(make_generator(params)) == run(make_generator(params))
+    assert run(make_generator(params)) != run(torch.Generator().manual_seed(12))
+
+
+# ----------------------------------------------------------------------------- greedy / edges
+
+# root 9 -> node1 (tok 1) -> node3 (tok 3); root -> node2 (tok 2)
+TREE_TOKENS, TREE_PARENTS = torch.tensor([9, 1, 2, 3]), [-1, 0, 0, 1]
+
+
+def one_hot_logits(argmaxes, vocab=10):
+    logits = torch.zeros(len(argmaxes), vocab)
+    logits[range(len(argmaxes)), argmaxes] = 5.0
+    return logits
+
+
+@pytest.mark.parametrize(
+    "argmaxes, expected",
+    [
+        ([2, 0, 7, 0], ([2], 7)),  # root picks node 2 (a leaf); bonus from node 2's row
+        ([1, 3, 0, 4], ([1, 3], 4)),  # full path; bonus at the leaf
+        ([1, 8, 0, 0], ([1], 8)),  # node1's target token 8 is not drafted
+        ([4, 3, 2, 1], ([], 4)),  # nothing accepted: the root's argmax is the bonus
+    ],
+)
+def test_greedy_verify_hand_made(argmaxes, expected):
+    logits = one_hot_logits(argmaxes)
+    assert verify_tree(TREE_TOKENS, TREE_PARENTS, logits, SamplingParams()) == expected
+    # top_k = 1 sampling is greedy too, through the sampling path
+    assert (
+        verify_tree(TREE_TOKENS, torch.tensor(TREE_PARENTS), logits, SamplingParams(1.0, top_k=1))
+        == expected
+    )
+
+
+def test_root_only_tree_and_input_errors():
+    logits = one_hot_logits([3])
+    assert verify_tree(torch.tensor([9]), [-1], logits, SamplingParams()) == ([], 3)
+    assert verify_tree(torch.tensor([9]), [-1], logits, SamplingParams(0.5, top_k=1)) == ([], 3)
+    with pytest.raises(ValueError, match=r"target_logits must be \[N\+1=4, V\]"):
+        verify_tree(TREE_TOKENS, TREE_PARENTS, logits, SamplingParams())
+    with pytest.raises(ValueError, match="must both be"):
+        verify_tree(TREE_TOKENS, [-1, 0], one_hot_logits([0] * 4), SamplingParams())
+    with pytest.raises(ValueError, match="topologically ordered"):
+        verify_tree(TREE_TOKENS, [-1, 0, 3, 1], one_hot_logits([0] * 4), SamplingParams())
+
+
+def test_fallback_token_when_no_mass_is_left():
+    filtered = torch.tensor([-math.inf, 1.0, 3.0, -math.inf, 2.0])
+    raw = torch.tensor([9.0, 1.0, 3.0, 0.0, 2.0])
+    assert _fallback_token(filtered, raw, [2]) == 4  # best kept, non-rejected token
+    assert _fallback_token(filtered, raw, [1, 2, 4]) == 0  # all kept rejected: raw logits decide

@@ -1,0 +1,163 @@
+"""Offline acceptance evaluator: the reference tree decoder over a prompt set.
+
+    treedraft eval --target smollm2-135m --head PATH --prompts mtbench --tree dynamic:60,6 \\
+        --temperature 0 --max-new-tokens 256 --json out.json
+
+For every prompt (chat template applied, first user turn) it runs
+``treedraft.heads.reference.speculative_generate`` (or plain decoding with ``--head none``) and
+reports:
+  mean_acceptance_length   tokens committed per target verify pass, bonus token included
+  per_position_acceptance  [d-1] = fraction of verify steps that accepted >= d draft tokens
+  alpha_implied            the per-token acceptance a that gives the same tau for a chain of
+                           gamma = tree depth: tau = (1 - a^(gamma+1)) / (1 - a)
+plus step counts, tree sizes and the generated token ids (to compare with ``--head none``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from treedraft.heads.reference import DecodeResult, plain_generate, speculative_generate
+from treedraft.heads.sampling import SamplingParams
+from treedraft.heads.tree import (
+    DEFAULT_ACCEPTANCE_RATES,
+    TreeSpec,
+    build_static_paths,
+    parse_tree_spec,
+)
+
+
+@dataclass
+class EvalConfig:
+    target: str = "smollm2-135m"
+    head: str = "none"  # checkpoint folder, shipped head name, or "none" (plain decoding)
+    prompts: str = "mtbench"  # mtbench | humaneval | sharegpt | FILE.jsonl
+    tree: str | None = None  # default: the head's default_tree
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 256
+    limit: int | None = None  # first N prompts
+    seed: int = 0  # request i uses seed + i
+
+
+def tree_depth(spec: TreeSpec, rates=None) -> int:
+    """Depth gamma of the trees a spec drafts (static trees are built from ``rates``)."""
+    if spec.kind == "paths":
+        return max(len(p) for p in spec.paths)
+    if spec.kind == "dynamic":
+        return spec.depth
+    return max(len(p) for p in build_static_paths(rates or DEFAULT_ACCEPTANCE_RATES, spec.num_nodes))
+
+
+def implied_alpha(tau: float, gamma: int) -> float:
+    """Solve tau = (1 - a^(gamma+1)) / (1 - a) for a in [0, 1] (bisection; tau is increasing)."""
+    tau = min(max(tau, 1.0), gamma + 1.0)
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(mid**i for i in range(gamma + 1)) < tau:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def summarize(results: list[DecodeResult], spec: str | None, gamma: int) -> dict:
+    accepted = [a for r in results for a in r.accepted]
+    steps = len(accepted)
+    tau = (sum(accepted) + steps) / steps if steps else 1.0
+    return {
+        "mean_acceptance_length": tau,
+        "per_position_acceptance": [
+            sum(a >= d for a in accepted) / max(steps, 1) for d in range(1, gamma + 1)
+        ],
+        "alpha_implied": implied_alpha(tau, gamma) if gamma else 0.0,
+        "num_verify_steps": steps,
+        "tokens_generated": sum(len(r.tokens) for r in results),
+        "mean_tree_size": sum(s for r in results for s in r.tree_sizes) / max(steps, 1),
+        "tree": spec,
+        "tree_depth": gamma,
+    }
+
+
+def run_eval(
+    loaded,
+    head,
+    rows: list[tuple[str, list[dict]]],
+    *,
+    tree: str | None = None,
+    params: SamplingParams = SamplingParams(),
+    max_new_tokens: int = 256,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict:
+    """Reference decoding of ``rows`` ((id, messages) pairs; first user turn used) with an
+    in-memory target (``target.LoadedTarget``) and head (None = plain decoding)."""
+    from tqdm.auto import tqdm
+
+    from .data import first_turn
+    from .target import HFTarget, encode_chat
+
+    spec_str = tree or (head.config.default_tree if head is not None else None)
+    spec = parse_tree_spec(spec_str) if head is not None else None
+    rates = getattr(head.config, "acceptance_rates", None) if head is not None else None
+    gamma = tree_depth(spec, rates) if spec else 0
+    eos = {loaded.tokenizer.eos_token_id}
+    target = HFTarget(loaded.model, head.config.target_layer_ids if head is not None else None)
+    results, outputs = [], []
+    start = time.perf_counter()
+    bar = tqdm(rows, desc="eval", disable=not progress)
+    for i, (pid, messages) in enumerate(bar):
+        prompt = encode_chat(loaded.tokenizer, first_turn(messages))
+        gen = torch.Generator().manual_seed(seed + i)
+        if head is None:
+            r = plain_generate(target, prompt, max_new_tokens, params, eos, gen)
+        else:
+            r = speculative_generate(target, head, prompt, max_new_tokens, spec, params, eos,
+                                     gen, acceptance_rates=rates)
+            bar.set_postfix(tau=f"{summarize(results + [r], spec_str, gamma)['mean_acceptance_length']:.2f}")
+        results.append(r)
+        outputs.append({"id": pid, "tokens": r.tokens})
+    elapsed = time.perf_counter() - start
+    report = summarize(results, spec_str, gamma)
+    if head is None:  # plain decoding: one token per target pass
+        report.update(mean_acceptance_length=1.0, num_verify_steps=report["tokens_generated"])
+    report.update(num_prompts=len(results), seconds=elapsed,
+                  tokens_per_second=report["tokens_generated"] / max(elapsed, 1e-9),
+                  outputs=outputs)
+    return report
+
+
+def evaluate(cfg: EvalConfig, *, progress: bool = True) -> dict:
+    """``treedraft eval``: load target, head and prompts named in ``cfg``; run ``run_eval``."""
+    from .data import load_prompts
+    from .heads_zoo import load_head_for
+    from .target import load_target, target_signature
+
+    if cfg.tree is not None:
+        parse_tree_spec(cfg.tree)  # bad specs fail before anything is loaded
+    loaded = load_target(cfg.target)
+    head = None
+    if cfg.head != "none":
+        head = load_head_for(cfg.head, loaded.model, target_signature(loaded.model, loaded.tokenizer))
+    ds = load_prompts(cfg.prompts, limit=cfg.limit)
+    params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+    report = run_eval(loaded, head, list(zip(ds["id"], ds["messages"], strict=True)), tree=cfg.tree,
+                      params=params, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed,
+                      progress=progress)
+    report["config"] = asdict(cfg)
+    return report
+
+
+def write_report(report: dict, path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1))
+    tmp.replace(path)

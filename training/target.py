@@ -1,0 +1,150 @@
+"""A transformers causal LM behind the small `Target` interface of the reference decoder.
+
+The reference decoder (``treedraft.heads.reference``) is pure torch; this adapter is where
+transformers comes in. It keeps a KV cache of the committed sequence and runs new tokens with an
+arbitrary mask among themselves (a token tree's ancestor mask) and explicit positions
+(prefix length + depth). After verification, ``keep`` moves the accepted nodes' KV into the
+first contiguous slots after the prefix and drops the rest: the same bookkeeping the vLLM
+plugin does on the paged cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from treedraft.heads.common import TargetSignature, tokenizer_fingerprint
+
+
+@dataclass
+class LoadedTarget:
+    model: torch.nn.Module
+    tokenizer: object
+    path: str
+
+
+def load_target(name_or_path: str, *, dtype: torch.dtype = torch.float32) -> LoadedTarget:
+    """Load a causal LM and its tokenizer from a short name, HF folder or hub id."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .models import resolve_model
+
+    path = resolve_model(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    model.eval().requires_grad_(False)
+    return LoadedTarget(model, tokenizer, path)
+
+
+def target_signature(model: torch.nn.Module, tokenizer) -> TargetSignature:
+    cfg = model.config
+    return TargetSignature(
+        architecture=(cfg.architectures or [type(model).__name__])[0],
+        hidden_size=cfg.hidden_size,
+        vocab_size=cfg.vocab_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer.get_vocab()) if tokenizer else None,
+    )
+
+
+def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of ``messages`` with the chat template and the assistant prompt appended."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+class HFTarget:
+    """Implements ``treedraft.heads.reference.Target`` for a transformers causal LM (batch 1)."""
+
+    def __init__(self, model: torch.nn.Module, layer_ids: tuple[int, ...] | None = None):
+        from transformers import DynamicCache
+
+        self.model = model
+        self.num_layers = model.config.num_hidden_layers
+        # HF hidden_states[k] = output after k layers; hidden_states[L] = final post-norm output.
+        self.layer_ids = tuple(layer_ids) if layer_ids else (self.num_layers,)
+        self._cache_cls = DynamicCache
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = self._cache_cls(config=self.model.config)
+
+    @property
+    def length(self) -> int:
+        return self.cache.get_seq_length()
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
+        """Append ``tokens`` [T] at ``positions`` [T]; ``mask`` [T, T] bool says which new tokens
+        each new token sees (the cached prefix is always visible).
+        Returns (logits [T, V] float32, hidden [T, len(layer_ids) * H])."""
+        prefix = self.length
+        T = tokens.numel()
+        dtype = self.model.dtype
+        visible = torch.cat([torch.ones(T, prefix, dtype=torch.bool), mask.cpu()], dim=1)
+        # additive float mask [1, 1, T, prefix + T]: works for the sdpa and eager paths alike
+        attn = torch.zeros(1, 1, T, prefix + T, dtype=dtype)
+        attn.masked_fill_(~visible, torch.finfo(dtype).min)
+        out = self.model(
+            input_ids=tokens.view(1, T),
+            position_ids=positions.view(1, T),
+            attention_mask=attn,
+            past_key_values=self.cache,
+            use_cache=True,
+            output_hidden_states=True,
+        )
+        hidden = torch.cat([out.hidden_states[k][0] for k in self.layer_ids], dim=-1)
+        return out.logits[0].float(), hidden
+
+    def keep(self, start: int, nodes: torch.Tensor) -> None:
+        """Keep cache entries ``start + nodes`` (in that order) right after the first ``start``
+        entries and drop every later entry."""
+        idx = torch.cat([torch.arange(start), start + nodes.cpu().long()])
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(-2, idx)
+            layer.values = layer.values.index_select(-2, idx)
+
+
+def _rope_theta(cfg) -> float:
+    params = getattr(cfg, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+
+
+def init_head(kind: str, model: torch.nn.Module, tokenizer, **overrides):
+    """A new (untrained) head of ``kind`` ('eagle' | 'medusa') shaped for ``model`` and bound to
+    its embeddings and LM head. ``overrides`` set config fields (e.g. target_layer_ids)."""
+    from treedraft.heads.common import HEADS, load_head  # noqa: F401  (fills the registry)
+    from treedraft.heads.eagle import EagleConfig, EagleHead
+    from treedraft.heads.medusa import MedusaConfig, MedusaHeads
+
+    cfg, sig = model.config, target_signature(model, tokenizer)
+    if kind == "eagle":
+        config = EagleConfig(**{
+            "hidden_size": cfg.hidden_size,
+            "num_attention_heads": cfg.num_attention_heads,
+            "num_key_value_heads": cfg.num_key_value_heads,
+            "intermediate_size": cfg.intermediate_size,
+            "rms_norm_eps": cfg.rms_norm_eps,
+            "rope_theta": _rope_theta(cfg),
+            "head_dim": getattr(cfg, "head_dim", None),
+            "target": sig,
+            **overrides,
+        })
+        head = EagleHead(config)
+    elif kind == "medusa":
+        config = MedusaConfig(**{"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+                                 "num_heads": 4, "target": sig, **overrides})
+        head = MedusaHeads(config)
+    else:
+        raise ValueError(f"unknown head kind {kind!r}; use 'eagle' or 'medusa'")
+    bind_head(head, model)
+    return head
+
+
+def bind_head(head, model: torch.nn.Module):
+    """Give ``head`` the target's (frozen) input embeddings and LM head."""
+    head.bind_target(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    return head
