@@ -25,7 +25,6 @@ from torch import Tensor
 from .sampling import SamplingParams, sample, verify_tree
 from .tree import TreeSpec, draft_tree
 
-
 GREEDY = SamplingParams()
 
 

@@ -4,6 +4,7 @@
     treedraft prompts sharegpt --limit 3            # look at a prompt set
     treedraft demo                                  # the main job on the embedded default target
     treedraft eval --head none --prompts mtbench    # offline acceptance evaluator (reference decoder)
+    treedraft train --config scripts/recipes/tiny-cpu.yaml --max_steps=20   # train a head
 """
 
 from __future__ import annotations
@@ -115,6 +116,29 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 
 
+def _train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML/JSON recipe, e.g. scripts/recipes/smollm2-135m-eagle.yaml")
+    p.add_argument("--resume", help="checkpoint dir, or a run's out_dir (its newest checkpoint)")
+    p.epilog = ("Any TrainConfig key can be set as --key=value (--max_steps=200, "
+                "--head.draft_vocab_size=8192); see treedraft/training/config.py")
+
+
+@command("train", _train_args)
+def cmd_train(args: argparse.Namespace) -> None:
+    """Train a draft head: self-distillation data, streamed target features, checkpoints."""
+    from treedraft.training.checkpoint import checkpoint_config
+    from treedraft.training.config import load_config
+    from treedraft.training.loop import train
+
+    base = checkpoint_config(args.resume).to_dict() if args.resume and not args.config else None
+    final = train(load_config(args.config, args.overrides, base=base), resume=args.resume)
+    if final is not None:  # rank 0 (or the only process)
+        print(final)
+
+
+cmd_train.accepts_overrides = True  # main() hands it the unparsed --key=value arguments
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="treedraft", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -122,7 +146,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         p = sub.add_parser(name, help=(fn.__doc__ or "").splitlines()[0], description=fn.__doc__)
         add_arguments(p)
         p.set_defaults(_fn=fn)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args._fn, "accepts_overrides", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.overrides = extra
     try:
         args._fn(args)
     except (ValueError, FileNotFoundError) as e:

@@ -52,4 +52,6 @@ def load_head_for(
     from .target import bind_head
 
     head = load_head(resolve_head(name_or_path), target=signature)
+    # shipped heads are stored in bf16 to stay small; compute in the target's dtype
+    head = head.to(next(model.parameters()).dtype)
     return bind_head(head, model).eval()

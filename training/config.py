@@ -1,0 +1,256 @@
+"""`TrainConfig`: the one source of truth of a training run.
+
+    cfg = load_config("scripts/recipes/smollm2-135m-eagle.yaml", ["--lr=3e-4", "--head.num_heads=3"])
+
+Features
+- Every knob of `treedraft train` is a field of `TrainConfig`, with its default and a comment.
+- `load_config(file, overrides)`: a YAML or JSON file, then `--key=value` overrides, each value
+  typed from the field's annotation (`--max_steps=none`, `--cache_features=true`,
+  `--head.target_layer_ids=[2,15,27]`). `--head.KEY=VALUE` sets one head-config override.
+  An unknown key is an error that lists the valid keys; dashes and underscores are equivalent.
+- `validate()` checks values (head type, engine, dtype, ...) before any expensive work.
+- `diff(a, b)` names the keys that differ except `RESUMABLE_KEYS` (what --resume may change).
+- `save(path)` writes the config as JSON next to every checkpoint (`train_config.json`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HEAD_TYPES = ("eagle", "medusa")
+GEN_ENGINES = ("transformers", "vllm")
+DTYPES = ("float32", "bfloat16")
+LONG_PROMPTS = ("error", "skip")
+CONFIG_FILE = "train_config.json"
+
+
+@dataclass
+class TrainConfig:
+    # --- model
+    target: str = "smollm2-135m"  # embedded short name, HF folder or hub id
+    head_type: str = "eagle"  # eagle | medusa
+    head: dict[str, Any] = field(default_factory=dict)  # head-config overrides, e.g.
+    #   eagle: target_layer_ids, draft_vocab_size, intermediate_size; medusa: num_heads, num_layers
+    # --- data
+    data: str = "sharegpt"  # sharegpt | humaneval | FILE.jsonl (never mtbench)
+    num_prompts: int = 1000  # training prompts (the first ones of `data`, MT-bench rows dropped)
+    eval_prompts: int = 4  # held-out prompts after the training ones (same source)
+    long_prompts: str = "error"  # prompts with >= max_seq_len tokens: error | skip
+    regenerate: bool = True  # self-distillation: the target writes the replies
+    gen_engine: str = "transformers"  # transformers | vllm
+    gen_temperature: float = 0.7
+    gen_max_new_tokens: int = 256
+    gen_batch_size: int = 16
+    max_seq_len: int = 1024  # prompt + reply tokens; longer sequences are cut
+    # --- optimisation
+    batch_size: int = 4  # sequences per micro-batch (per process)
+    grad_accum: int = 1  # micro-batches per optimizer step
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = 20
+    max_steps: int | None = None  # None -> epochs over the training sequences
+    epochs: float = 1.0
+    grad_clip: float = 1.0  # max grad norm; 0 = off
+    unroll_steps: int = 3  # EAGLE training-time test depth D (1 = plain teacher forcing)
+    step_weights: list[float] | None = None  # weight of unroll step / Medusa head k; None -> decay**k
+    step_weight_decay: float = 0.8
+    feature_loss_weight: float = 0.0  # EAGLE-1 smooth-L1 regression to the target's feature
+    dtype: str = "float32"  # autocast of target + head forward (and the generation copy):
+    #   float32 | bfloat16 (~2x on CPUs with AMX/AVX512-bf16; soft labels stay float32)
+    num_threads: int | None = None  # torch intra-op threads; None = torch's default. On a
+    #   shared CPU, fewer threads than cores avoids OpenMP oversubscription (10x slowdowns)
+    compile: bool = False  # torch.compile target forward, head forward and KL: ~5 min of
+    #   compiling at start; ~2x for the float32 target on CPU, little on top of bfloat16
+    # --- evaluation, checkpoints, logging
+    eval_every: int = 0  # steps between run_eval on the held-out prompts; 0 = only at the end
+    eval_tree: str | None = None  # None -> the head's default_tree
+    eval_max_new_tokens: int = 64
+    eval_temperature: float = 0.0
+    acceptance_depth: int = 6  # depths measured for head.config.acceptance_rates (EAGLE)
+    acceptance_topk: int = 8  # ranks measured per depth
+    save_every: int = 0  # steps between checkpoints; 0 = only at the end
+    keep_checkpoints: int = 2  # newest step checkpoints kept (0 = keep all)
+    out_dir: str = "runs/train"
+    data_dir: str | None = None  # cache of regenerated replies; None -> out_dir/data (share it
+    #   between runs with the same target, data and gen_* settings)
+    seed: int = 0
+    # Per invocation (not inherited by --resume): stop early with a checkpoint after this many
+    # steps / minutes of THIS run; the schedule still targets max_steps, so --resume continues
+    # the same curve (time-boxed sessions, and how the tests simulate a kill).
+    stop_after_steps: int | None = None
+    time_limit_minutes: float | None = None
+    progress: bool = True  # tqdm bars
+    # --- optional feature cache (default: stream target features, no disk)
+    cache_features: bool = False
+    cache_dtype: str = "bfloat16"
+    cache_topk: int = 64  # target distribution stored as its top-k (renormalised in the loss)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad key and its valid values."""
+        choices = {"head_type": HEAD_TYPES, "gen_engine": GEN_ENGINES, "dtype": DTYPES,
+                   "cache_dtype": DTYPES, "long_prompts": LONG_PROMPTS}
+        for key, valid in choices.items():
+            if getattr(self, key) not in valid:
+                raise ValueError(f"{key}={getattr(self, key)!r}; valid values: {', '.join(valid)}")
+        positive = ["num_prompts", "gen_max_new_tokens", "gen_batch_size", "max_seq_len",
+                    "batch_size", "grad_accum", "unroll_steps", "acceptance_depth",
+                    "acceptance_topk", "cache_topk", "eval_max_new_tokens"]
+        for key in positive:
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps={self.max_steps} must be >= 1 (or none: use epochs)")
+        if self.max_steps is None and self.epochs <= 0:
+            raise ValueError(f"epochs={self.epochs} must be > 0 when max_steps is none")
+        if self.eval_prompts < 0:
+            raise ValueError(f"eval_prompts={self.eval_prompts} must be >= 0")
+        if self.data == "mtbench":
+            raise ValueError("data=mtbench: MT-bench is the evaluation set, never train on it")
+
+    def loss_weights(self, n: int, what: str) -> list[float]:
+        """Weight of each of the n loss terms (EAGLE unroll steps / Medusa heads)."""
+        if self.step_weights is None:
+            return [self.step_weight_decay**k for k in range(n)]
+        if len(self.step_weights) != n:
+            raise ValueError(f"step_weights has {len(self.step_weights)} entries but there are "
+                             f"{n} {what}: give one weight each (or none for decay**k)")
+        return list(self.step_weights)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+
+
+# Keys a --resume may change: they do not alter the math of the steps already taken.
+RESUMABLE_KEYS = frozenset({
+    "out_dir", "data_dir", "max_steps", "epochs", "eval_every", "eval_tree", "eval_max_new_tokens",
+    "eval_temperature", "save_every", "keep_checkpoints", "stop_after_steps",
+    "time_limit_minutes", "progress", "acceptance_depth", "acceptance_topk", "num_threads",
+})
+
+
+PER_RUN_KEYS = ("stop_after_steps", "time_limit_minutes")
+
+
+def diff(a: TrainConfig, b: TrainConfig, ignore: frozenset[str] = RESUMABLE_KEYS) -> list[str]:
+    """Keys whose values differ between a and b (outside `ignore`), as 'key: a -> b'."""
+    da, db = a.to_dict(), b.to_dict()
+    return [f"{k}: {da[k]!r} -> {db[k]!r}" for k in da if k not in ignore and da[k] != db[k]]
+
+
+def _hints() -> dict[str, Any]:
+    return typing.get_type_hints(TrainConfig)
+
+
+def _coerce(key: str, tp: Any, value: Any) -> Any:
+    """`value` (from a file, or a string from the command line) as type `tp`."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(key, inner[0], value)
+    if isinstance(value, str) and tp is not str:
+        value = _parse_scalar(value, origin or tp)
+    ok = {bool: lambda v: isinstance(v, bool),
+          int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+          str: lambda v: isinstance(v, str)}
+    base = origin or tp
+    if base in ok:
+        if not ok[base](value):
+            raise ValueError(f"{key}={value!r} is not a valid {base.__name__}")
+        return float(value) if base is float else value
+    if base in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{key}={value!r} must be a list")
+        item = args[0] if args else Any
+        items = [v if item is Any else _coerce(key, item, v) for v in value]
+        return tuple(items) if base is tuple else items
+    if base is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{key}={value!r} must be a mapping")
+        return dict(value)
+    return value
+
+
+def _parse_scalar(text: str, tp: Any) -> Any:
+    """A command-line string as `tp`: "1e-3" -> 0.001, "3" -> 3, "true" -> True, "[1, 2]"."""
+    import yaml
+
+    if tp in (int, float):
+        try:
+            return tp(text)
+        except ValueError:
+            return text  # reported by the type check with the key's name
+    return yaml.safe_load(text)
+
+
+def _valid_keys_msg() -> str:
+    return ", ".join(f.name for f in dataclasses.fields(TrainConfig))
+
+
+def from_dict(d: dict[str, Any]) -> TrainConfig:
+    """A TrainConfig from a mapping; unknown keys and wrongly typed values are errors."""
+    hints = _hints()
+    unknown = sorted(set(d) - set(hints))
+    if unknown:
+        raise ValueError(f"unknown config keys {unknown}; valid keys: {_valid_keys_msg()}")
+    return TrainConfig(**{k: _coerce(k, hints[k], v) for k, v in d.items()})
+
+
+def parse_overrides(args: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """['--lr=1e-3', '--head.num_heads=3'] -> ({'lr': '1e-3'}, {'num_heads': 3})."""
+    import yaml
+
+    flat: dict[str, Any] = {}
+    head: dict[str, Any] = {}
+    for arg in args:
+        if not arg.startswith("--") or "=" not in arg:
+            raise ValueError(f"override {arg!r} must look like --key=value")
+        key, value = arg[2:].split("=", 1)
+        key = key.replace("-", "_")
+        if key.startswith("head."):
+            head[key[5:]] = yaml.safe_load(value)
+        else:
+            flat[key] = value
+    return flat, head
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = (),
+                base: dict[str, Any] | None = None) -> TrainConfig:
+    """Defaults <- `base` (e.g. a checkpoint's config) <- YAML/JSON file <- --key=value
+    overrides (`--head={}` replaces the head overrides, `--head.KEY=V` sets one); validated."""
+    d: dict[str, Any] = dict(base or {})
+    if path is not None:
+        d.update(read_file(path))
+    flat, head = parse_overrides(overrides)
+    d.update(flat)
+    if head:
+        d["head"] = {**_coerce("head", dict, d.get("head") or {}), **head}
+    cfg = from_dict(d)
+    cfg.validate()
+    return cfg
+
+
+def read_file(path: str | Path) -> dict[str, Any]:
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    d = yaml.safe_load(path.read_text()) or {}  # YAML is a superset of JSON
+    if not isinstance(d, dict):
+        raise ValueError(f"{path} must hold a mapping of config keys, got {type(d).__name__}")
+    return d

@@ -1,0 +1,206 @@
+"""Training sequences: prompts (chat template, first user turn) + the target's own replies.
+
+Features
+- `encode_prompts`: chat-templated prompt ids; prompts with >= max_seq_len tokens are counted
+  and refused (or skipped with long_prompts=skip) before anything expensive runs.
+- Self-distillation (`regenerate=True`): the target writes the assistant reply to every prompt,
+  batched, at `gen_temperature`. Engines are a lazy registry of "module:function" strings:
+  "transformers" (here, left-padded batched `generate`) and "vllm" (plugin/generate.py; only
+  plugin/ imports vllm). An engine factory gets (loaded target, cfg) and returns
+  `generate(prompts: list[list[int]]) -> list[list[int]]` (replies, EOS kept if produced).
+- Replies are cached as JSONL in out_dir/data/gen-<hash>.jsonl (hash of target, engine and
+  sampling settings), appended batch by batch: a killed generation or a re-run only generates
+  what is missing. Token ids only: small, not a hidden-state dump.
+- `regenerate=False`: the dataset's own first assistant reply is used instead.
+- Output: `Seq(id, input_ids, prompt_len)`; the loss covers positions >= prompt_len (the reply).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import TrainConfig
+
+logger = logging.getLogger(__name__)
+
+# engine name -> "module:factory"; imported only when chosen (vLLM stays out of training/).
+ENGINES: dict[str, str] = {
+    "transformers": "treedraft.training.generate:transformers_engine",
+    "vllm": "treedraft.plugin.generate:vllm_engine",
+}
+
+
+@dataclass
+class Seq:
+    id: str
+    input_ids: list[int]  # prompt + reply, at most max_seq_len
+    prompt_len: int  # reply tokens start here
+
+
+def encode_prompts(tokenizer, rows: list[tuple[str, list[dict]]], cfg: TrainConfig
+                   ) -> list[tuple[str, list[int]]]:
+    """(id, prompt ids) per row; too-long prompts are an error (or skipped, long_prompts=skip)."""
+    from .data import first_turn
+    from .target import encode_chat
+
+    out = [(rid, encode_chat(tokenizer, first_turn(msgs))) for rid, msgs in rows]
+    long = [len(ids) for _, ids in out if len(ids) >= cfg.max_seq_len]
+    if long and cfg.long_prompts == "error":
+        raise ValueError(
+            f"{len(long)} of {len(out)} prompts of data={cfg.data!r} have >= max_seq_len="
+            f"{cfg.max_seq_len} tokens (longest {max(long)}), leaving no room for a reply; raise "
+            f"max_seq_len (e.g. --max_seq_len={max(long) + cfg.gen_max_new_tokens}) or drop "
+            "them with --long_prompts=skip"
+        )
+    if long:
+        logger.warning("skipping %d of %d prompts with >= max_seq_len=%d tokens",
+                       len(long), len(out), cfg.max_seq_len)
+    return [(rid, ids) for rid, ids in out if len(ids) < cfg.max_seq_len]
+
+
+def build_sequences(loaded, rows: list[tuple[str, list[dict]]], cfg: TrainConfig,
+                    data_dir: Path | None) -> list[Seq]:
+    """Prompt + reply sequences for `rows` ((id, messages) pairs), cut at max_seq_len."""
+    prompts = encode_prompts(loaded.tokenizer, rows, cfg)
+    if cfg.regenerate:
+        replies = regenerate(loaded, prompts, cfg, data_dir)
+    else:
+        replies = dataset_replies(loaded.tokenizer, rows, dict(prompts))
+    return [Seq(rid, (ids + replies[rid])[: cfg.max_seq_len], len(ids)) for rid, ids in prompts]
+
+
+def dataset_replies(tokenizer, rows, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
+    """The first assistant reply of each row, tokenized by the chat template."""
+    from .data import first_turn
+
+    out, missing = {}, []
+    for rid, msgs in rows:
+        if rid not in prompts:
+            continue
+        prompt = first_turn(msgs)
+        reply = next((m for m in msgs[len(prompt):] if m["role"] == "assistant"), None)
+        if reply is None:
+            missing.append(rid)
+            continue
+        full = tokenizer.apply_chat_template(prompt + [reply], tokenize=True)
+        full = list(full["input_ids"] if hasattr(full, "keys") else full)
+        p = prompts[rid]
+        if full[: len(p)] != p:
+            raise ValueError(f"prompt {rid}: the chat template of prompt+reply does not start "
+                             "with the prompt's template; use regenerate=true")
+        out[rid] = full[len(p):]
+    if missing:
+        raise ValueError(f"{len(missing)} prompts have no assistant reply (e.g. {missing[:3]}); "
+                         "use regenerate=true to let the target write them")
+    return out
+
+
+def _cache_path(loaded, cfg: TrainConfig, data_dir: Path) -> tuple[Path, dict]:
+    from .target import target_signature
+
+    meta = {"target": loaded.path, "signature": target_signature(loaded.model, loaded.tokenizer)
+            .to_dict(), "engine": cfg.gen_engine, "temperature": cfg.gen_temperature,
+            "max_new_tokens": cfg.gen_max_new_tokens, "seed": cfg.seed,
+            "dtype": cfg.dtype if cfg.gen_engine == "transformers" else "engine"}
+    digest = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:12]
+    return data_dir / f"gen-{digest}.jsonl", meta
+
+
+def read_cache(path: Path) -> dict[str, list[int]]:
+    out = {}
+    if path.is_file():
+        with path.open() as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:  # a line cut short by a kill: generate it again
+                    continue
+                if "id" in rec:
+                    out[rec["id"]] = rec["reply"]
+    return out
+
+
+def regenerate(loaded, prompts: list[tuple[str, list[int]]], cfg: TrainConfig,
+               data_dir: Path | None) -> dict[str, list[int]]:
+    """Replies by the target to each prompt, from the cache where present."""
+    from tqdm.auto import tqdm
+
+    path, meta = (None, None) if data_dir is None else _cache_path(loaded, cfg, data_dir)
+    done = read_cache(path) if path else {}
+    todo = [(rid, ids) for rid, ids in prompts if rid not in done]
+    if not todo:
+        return done
+    # Longest first, so each batch holds similar lengths (less left padding).
+    todo.sort(key=lambda p: -len(p[1]))
+    module, fn = ENGINES[cfg.gen_engine].split(":")
+    generate = getattr(importlib.import_module(module), fn)(loaded, cfg)
+    chunk = cfg.gen_batch_size if cfg.gen_engine == "transformers" else 64 * cfg.gen_batch_size
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            path.write_text(json.dumps({"meta": meta}) + "\n")
+    bar = tqdm(total=len(todo), desc=f"self-distill ({cfg.gen_engine})", unit="prompt",
+               disable=not cfg.progress)
+    for i in range(0, len(todo), chunk):
+        part = todo[i: i + chunk]
+        replies = generate([ids for _, ids in part])
+        lines = []
+        for (rid, _), reply in zip(part, replies, strict=True):
+            done[rid] = reply
+            lines.append(json.dumps({"id": rid, "reply": reply}) + "\n")
+        if path:
+            with path.open("a") as f:
+                f.writelines(lines)
+        bar.update(len(part))
+    bar.close()
+    return done
+
+
+def transformers_engine(loaded, cfg: TrainConfig):
+    """Batched `generate` with left padding; replies cut after the first EOS.
+
+    With dtype=bfloat16 a bf16 copy of the target generates: decoding on CPU is bound by
+    reading the weights, which bf16 halves (~2x at batch 64)."""
+    import copy
+
+    from transformers import GenerationConfig
+
+    model, tok = loaded.model, loaded.tokenizer
+    if cfg.dtype == "bfloat16":
+        model = copy.deepcopy(model).to(torch.bfloat16)
+    eos = tok.eos_token_id
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos
+    greedy = cfg.gen_temperature == 0
+    gen_cfg = GenerationConfig(
+        max_new_tokens=cfg.gen_max_new_tokens, do_sample=not greedy,
+        temperature=None if greedy else cfg.gen_temperature, top_k=None, top_p=None,
+        eos_token_id=eos, pad_token_id=pad)
+    device = next(model.parameters()).device
+    calls = [0]
+
+    @torch.inference_mode()
+    def generate(prompts: list[list[int]]) -> list[list[int]]:
+        width = max(map(len, prompts))
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for b, p in enumerate(prompts):  # left padding: prompts end at the same column
+            ids[b, width - len(p):] = torch.tensor(p)
+            mask[b, width - len(p):] = 1
+        torch.manual_seed(cfg.seed + calls[0])
+        calls[0] += 1
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                             generation_config=gen_cfg)
+        replies = []
+        for row in out[:, width:].tolist():
+            cut = row.index(eos) + 1 if eos in row else len(row)
+            replies.append(row[:cut])
+        return replies
+
+    return generate

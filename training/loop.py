@@ -1,0 +1,384 @@
+"""`train(cfg, resume=None)`: the training loop of `treedraft train`, plain and in one place.
+
+    from treedraft.training.config import load_config
+    from treedraft.training.loop import train
+    train(load_config("scripts/recipes/tiny-cpu.yaml"))
+
+What happens, in order (every bad input fails before the expensive part):
+  1. config, head overrides and --resume config are checked; the target is loaded (frozen) and
+     a head built for it (embeddings / LM head bound from the target, never trained);
+  2. prompts of `data` (MT-bench refused and re-checked), split into training + held-out rows;
+     too-long prompts are refused; the target regenerates the replies (cached in out_dir/data);
+  3. with draft_vocab_size the head's vocabulary is the most frequent reply tokens;
+  4. steps: target features + soft labels per micro-batch (streamed, or from the optional
+     cache), head loss (losses.py), AdamW with warmup + cosine, grad accumulation and clipping,
+     optional bf16 autocast; tqdm shows loss, top-1 agreement and tokens/s (target included);
+     every eval_every steps `run_eval` on the held-out prompts logs the mean acceptance length;
+     checkpoints every save_every steps (checkpoint.py);
+  5. per-depth / per-rank acceptance rates (teacher forced, held-out data) go into
+     head.config.acceptance_rates; the head is saved to out_dir/final.
+With torchrun (WORLD_SIZE > 1) the same code runs DDP: gloo on CPU, nccl on GPU, micro-batches
+sharded by rank, only rank 0 logs, evaluates and saves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from . import checkpoint as ckpt_io
+from .config import TrainConfig
+from .distributed import Dist, all_sum, barrier, setup_distributed, wrap_ddp
+from .features import FeatureCache, TargetFeatures
+from .generate import Seq, build_sequences
+from .losses import acceptance_rates, eagle_loss, medusa_loss, rank_hits, soft_kl
+
+logger = logging.getLogger(__name__)
+
+
+def check_head_overrides(cfg: TrainConfig) -> None:
+    from treedraft.heads import eagle, medusa  # noqa: F401  (register the head types)
+    from treedraft.heads.common import HEADS
+
+    fields = {f.name for f in dataclasses.fields(HEADS[cfg.head_type].config_class)}
+    unknown = sorted(set(cfg.head) - fields)
+    if unknown:
+        raise ValueError(f"unknown {cfg.head_type} head keys {unknown} in head: ...; valid: "
+                         f"{sorted(fields - {'target'})}")
+
+
+def load_rows(cfg: TrainConfig) -> tuple[list, list]:
+    """(training rows, held-out rows) of (id, messages); MT-bench never enters."""
+    from .data import assert_no_mtbench, load_prompts
+
+    ds = load_prompts(cfg.data, limit=cfg.num_prompts + cfg.eval_prompts, purpose="train")
+    assert_no_mtbench(ds)
+    rows = list(zip(ds["id"], ds["messages"], strict=True))
+    if len(rows) <= cfg.eval_prompts:
+        raise ValueError(
+            f"data={cfg.data!r} gave {len(rows)} prompts, but eval_prompts={cfg.eval_prompts} "
+            "are held out and at least one is needed for training; add prompts or lower "
+            "eval_prompts"
+        )
+    cut = len(rows) - cfg.eval_prompts
+    return rows[:cut], rows[cut:]
+
+
+def choose_draft_vocab(seqs: list[Seq], vocab_size: int, k: int) -> torch.Tensor:
+    """The k most frequent reply tokens (ties and unseen ids: lowest id first)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for s in seqs:
+        counts += torch.bincount(torch.tensor(s.input_ids[s.prompt_len:], dtype=torch.long),
+                                 minlength=vocab_size)
+    return torch.argsort(-counts, stable=True)[:k]
+
+
+def lr_lambda(warmup: int, total: int):
+    """Linear warmup to 1, then cosine to 0 at `total` steps (s = steps already taken)."""
+    def f(s: int) -> float:
+        if s < warmup:
+            return (s + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (s - warmup) / max(1, total - warmup))))
+    return f
+
+
+class Objective(nn.Module):
+    """head + its loss in one forward, so DDP sees a single forward per backward."""
+
+    def __init__(self, head, cfg: TrainConfig) -> None:
+        super().__init__()
+        self.head = head
+        if head.head_type == "eagle":
+            self.weights = cfg.loss_weights(cfg.unroll_steps, "unroll steps")
+            self.fw = cfg.feature_loss_weight
+        else:
+            self.weights = cfg.loss_weights(head.config.num_heads, "medusa heads")
+        # compiled callables only; the head module itself stays eager (drafting in run_eval)
+        compile_ = (lambda f: torch.compile(f, dynamic=True)) if cfg.compile else (lambda f: f)
+        self.head_forward = compile_(head.forward)
+        self.kl = compile_(soft_kl)
+
+    def forward(self, batch):
+        if self.head.head_type == "eagle":
+            return eagle_loss(self.head, batch, self.weights, self.fw, self.head_forward, self.kl)
+        return medusa_loss(self.head, batch, self.weights, self.kl)
+
+
+class DataOrder:
+    """Micro-batch indices: a seeded permutation per epoch, sharded by rank; resumable."""
+
+    def __init__(self, n: int, cfg: TrainConfig, d: Dist, position: dict | None = None):
+        self.n, self.bs, self.d, self.seed = n, cfg.batch_size, d, cfg.seed
+        self.per_epoch = n // (cfg.batch_size * d.world)  # global micro-batches per epoch
+        if self.per_epoch == 0:
+            raise ValueError(f"{n} training sequences < batch_size={cfg.batch_size} x "
+                             f"{d.world} processes; add prompts or lower batch_size")
+        self.epoch, self.micro = (position["epoch"], position["micro"]) if position else (0, 0)
+
+    def next(self) -> list[int]:
+        perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(
+            self.seed * 1_000_003 + self.epoch))
+        start = (self.micro * self.d.world + self.d.rank) * self.bs
+        self.micro += 1
+        if self.micro == self.per_epoch:
+            self.epoch, self.micro = self.epoch + 1, 0
+        return perm[start: start + self.bs].tolist()
+
+    def position(self) -> dict:
+        return {"epoch": self.epoch, "micro": self.micro}
+
+
+def fingerprint(seqs: list[Seq]) -> str:
+    blob = json.dumps([(s.id, s.input_ids, s.prompt_len) for s in seqs])
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def train(cfg: TrainConfig, resume: str | os.PathLike | None = None) -> Path | None:
+    """Train a head as configured; returns out_dir/final (None on DDP ranks > 0)."""
+    from tqdm.auto import tqdm
+
+    from .target import init_head, load_target
+
+    cfg.validate()
+    check_head_overrides(cfg)
+    ckpt = ckpt_io.check_resume(resume, cfg) if resume else None
+    d = setup_distributed()
+    if cfg.cache_features and d.world > 1:
+        raise ValueError("cache_features=true is single-process only; stream features with "
+                         "torchrun (the default, cache_features=false)")
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    out = Path(cfg.out_dir)
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    loaded = load_target(cfg.target)
+    loaded.model.to(d.device)
+    head = init_head(cfg.head_type, loaded.model, loaded.tokenizer, **cfg.head).to(d.device)
+    objective = Objective(head, cfg)  # checks step_weights against the head
+    train_seqs, eval_seqs, eval_rows = prepare_data(cfg, loaded, d)
+    vd = getattr(head.config, "draft_vocab_size", None)
+    if vd is not None:
+        head.set_draft_vocab(choose_draft_vocab(train_seqs, head.config.target.vocab_size, vd))
+    autocast = torch.bfloat16 if cfg.dtype == "bfloat16" else None
+    batch_fn = make_batches(cfg, loaded.model, head, train_seqs, out, autocast)
+    measure_seqs = eval_seqs or train_seqs[: cfg.batch_size]
+    measure_fn = make_batches(cfg, loaded.model, head, measure_seqs, None, autocast)
+
+    optimizer = make_optimizer(head, cfg)
+    order = DataOrder(len(train_seqs), cfg, d)
+    total = cfg.max_steps or math.ceil(cfg.epochs * order.per_epoch / cfg.grad_accum)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.warmup_steps, total))
+    data_fp, step = fingerprint(train_seqs), 0
+    if ckpt is not None:
+        step = resume_from(ckpt, head, optimizer, scheduler, data_fp)
+        order = DataOrder(len(train_seqs), cfg, d, ckpt_io.load_state(ckpt)["position"])
+    model = objective if d.world == 1 else wrap_ddp(objective)
+    log = RunLog(out / "train_log.jsonl", d.main, truncate_after=step)
+    prov = {"data": {"source": cfg.data, "train_sequences": len(train_seqs),
+                     "train_tokens": sum(len(s.input_ids) for s in train_seqs),
+                     "eval_prompts": len(eval_rows), "fingerprint": data_fp}}
+
+    def save(step: int) -> None:
+        if d.main:
+            ckpt_io.save_checkpoint(out, step, head, cfg, ckpt_io.provenance(cfg, step=step, **prov),
+                                    optimizer=optimizer, scheduler=scheduler,
+                                    position=order.position(), data_fingerprint=data_fp)
+
+    head.train()
+    bar = tqdm(total=total, initial=step, desc=f"train {cfg.head_type}",
+               disable=not (cfg.progress and d.main))
+    train_time, run_tokens, started, t_run = 0.0, 0, step, time.perf_counter()
+    while step < total:
+        t0 = time.perf_counter()
+        rec = train_step(model, head, batch_fn, order, optimizer, cfg, d, autocast)
+        scheduler.step()
+        step += 1
+        dt = time.perf_counter() - t0
+        run_tokens, train_time = run_tokens + rec["tokens"], train_time + dt
+        log.write({"step": step, **rec, "lr": scheduler.get_last_lr()[0],
+                   "tokens_per_s": rec["tokens"] / dt})
+        # tokens/s of training so far in this run, target forward included, eval excluded
+        bar.set_postfix(loss=f"{rec['loss']:.3f}", top1=f"{rec['top1'][0]:.3f}",
+                        tok_s=f"{run_tokens / train_time:.0f}")
+        bar.update(1)
+        stop = (cfg.stop_after_steps is not None and step - started >= cfg.stop_after_steps) or (
+            cfg.time_limit_minutes is not None
+            and time.perf_counter() - t_run > 60 * cfg.time_limit_minutes)
+        if stop:
+            break
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < total:
+            evaluate(cfg, loaded, head, eval_rows, step, log, d)
+        if cfg.save_every and step % cfg.save_every == 0 and step < total:
+            save(step)
+    bar.close()
+    head.config.acceptance_rates = measure(cfg, head, measure_fn, measure_seqs)
+    result = evaluate(cfg, loaded, head, eval_rows, step, log, d)
+    save(step)  # the last checkpoint also carries the measured acceptance rates
+    if not d.main:
+        return None
+    final = ckpt_io.provenance(cfg, step=step, total_steps=total, eval=result,
+                               tokens_per_s=run_tokens / max(train_time, 1e-9), **prov)
+    return ckpt_io.save_head_dir(out / "final", head, cfg, final)
+
+
+def train_step(model, head, batch_fn, order: DataOrder, optimizer, cfg: TrainConfig, d: Dist,
+               autocast) -> dict:
+    """One optimizer step over grad_accum micro-batches; returns the step's log record."""
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum, tokens, top1, kl = 0.0, 0, [], []
+    for micro in range(cfg.grad_accum):
+        batch = batch_fn(order.next()).to(d.device)
+        last = micro == cfg.grad_accum - 1
+        # DDP: all-reduce gradients on the last micro-batch only
+        with model.no_sync() if d.world > 1 and not last else contextlib.nullcontext():
+            with torch.autocast(d.device.type, dtype=autocast or torch.float32,
+                                enabled=autocast is not None):
+                loss, metrics = model(batch)
+            (loss / cfg.grad_accum).backward()
+        loss_sum += float(loss.detach()) / cfg.grad_accum
+        tokens += batch.num_tokens
+        top1.append(metrics["top1"])
+        kl.append(metrics["kl"])
+    grad_norm = nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip or float("inf"))
+    optimizer.step()
+    mean = lambda rows: [sum(v) / len(v) for v in zip(*rows, strict=True)]  # noqa: E731
+    return {"loss": all_sum(d, loss_sum) / d.world, "top1": mean(top1), "kl": mean(kl),
+            "grad_norm": float(grad_norm), "tokens": int(all_sum(d, tokens))}
+
+
+def prepare_data(cfg: TrainConfig, loaded, d: Dist) -> tuple[list[Seq], list[Seq], list]:
+    """(training sequences, held-out sequences, held-out rows); rank 0 generates replies."""
+    train_rows, eval_rows = load_rows(cfg)
+    data_dir = Path(cfg.data_dir) if cfg.data_dir else Path(cfg.out_dir) / "data"
+    if d.world > 1 and not d.main:
+        barrier()  # wait for rank 0 to fill the reply cache, then read it
+    seqs = build_sequences(loaded, train_rows + eval_rows, cfg, data_dir)
+    if d.world > 1 and d.main:
+        barrier()
+    eval_ids = {rid for rid, _ in eval_rows}
+    train_seqs = [s for s in seqs if s.id not in eval_ids]
+    if not train_seqs:
+        raise ValueError(f"no training sequences left from data={cfg.data!r}")
+    return train_seqs, [s for s in seqs if s.id in eval_ids], eval_rows
+
+
+def make_optimizer(head, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over the head's own parameters; no weight decay on norms and biases."""
+    decay = [p for p in head.parameters() if p.ndim >= 2]
+    no_decay = [p for p in head.parameters() if p.ndim < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=cfg.lr, betas=tuple(cfg.betas))
+
+
+def make_batches(cfg: TrainConfig, model, head, seqs: list[Seq], out: Path | None, autocast):
+    """indices -> Batch: the target run on the fly, or the feature cache (cache_features)."""
+    layer_ids = head.config.target_layer_ids
+    need_final = head.head_type == "eagle" and cfg.feature_loss_weight > 0
+    d2t = getattr(head, "d2t", None)
+    if cfg.cache_features and out is not None:
+        t2d = None
+        if d2t is not None:
+            t2d = torch.full((head.config.target.vocab_size,), -1, dtype=torch.long)
+            t2d[d2t.cpu()] = torch.arange(len(d2t))
+        source = TargetFeatures(model, layer_ids, need_final=need_final, topk=cfg.cache_topk,
+                                autocast_dtype=autocast, compile=cfg.compile)
+        fp = {"target": cfg.target, "layers": list(layer_ids), "topk": cfg.cache_topk,
+              "final": need_final, "dtype": cfg.cache_dtype}
+        return FeatureCache(out / "features", seqs, source, batch_size=cfg.batch_size,
+                            dtype=getattr(torch, cfg.cache_dtype), fingerprint=fp, t2d=t2d,
+                            progress=cfg.progress)
+    source = TargetFeatures(model, layer_ids, need_final=need_final, label_ids=d2t,
+                            autocast_dtype=autocast, compile=cfg.compile and out is not None)
+    return lambda idx: source([seqs[i] for i in idx])
+
+
+def resume_from(ckpt: Path, head, optimizer, scheduler, data_fp: str) -> int:
+    """Load head weights, optimizer, scheduler and RNG states; return the step."""
+    from treedraft.heads.common import load_head
+
+    state = ckpt_io.load_state(ckpt)
+    if state["data_fingerprint"] != data_fp:
+        raise ValueError(
+            f"--resume {ckpt}: the training data differs from the checkpoint's (fingerprint "
+            f"{state['data_fingerprint']} vs {data_fp}); was out_dir/data removed and the "
+            "replies regenerated differently? Resume with the original out_dir")
+    saved = load_head(ckpt)
+    head.load_state_dict(saved.state_dict())  # target_* buffers are not saved: kept as bound
+    head.config.acceptance_rates = saved.config.acceptance_rates
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    ckpt_io.set_rng_state(state["rng"])
+    return state["step"]
+
+
+@torch.no_grad()
+def measure(cfg: TrainConfig, head, batch_fn, seqs: list[Seq]) -> list[list[float]]:
+    """Acceptance rates [depth][rank] from teacher-forced rank hits on `seqs`."""
+    depth = cfg.acceptance_depth if head.head_type == "eagle" else head.config.num_heads
+    was_training = head.training
+    head.eval()
+    hits, counts = torch.zeros(depth, cfg.acceptance_topk), torch.zeros(depth)
+    for i in range(0, len(seqs), cfg.batch_size):
+        h, c = rank_hits(head, batch_fn(list(range(i, min(i + cfg.batch_size, len(seqs))))),
+                         depth, cfg.acceptance_topk)
+        hits, counts = hits + h, counts + c
+    head.train(was_training)
+    return acceptance_rates(hits, counts)
+
+
+def evaluate(cfg: TrainConfig, loaded, head, rows, step: int, log, d: Dist) -> dict | None:
+    """run_eval on the held-out prompts (rank 0); logs the mean acceptance length."""
+    from treedraft.heads.sampling import SamplingParams
+
+    from .evaluate import run_eval
+
+    result = None
+    if d.main and rows and d.device.type != "cpu":
+        logger.warning("skipping run_eval: the reference decoder (HFTarget) runs on CPU only")
+    elif d.main and rows:
+        was_training = head.training
+        head.eval()
+        report = run_eval(loaded, head, rows, tree=cfg.eval_tree,
+                          params=SamplingParams(temperature=cfg.eval_temperature),
+                          max_new_tokens=cfg.eval_max_new_tokens, seed=cfg.seed, progress=False)
+        head.train(was_training)
+        result = {k: v for k, v in report.items() if k != "outputs"}
+        log.write({"step": step, "eval": result})
+        if cfg.progress:
+            from tqdm.auto import tqdm
+
+            tqdm.write(f"step {step}: held-out mean acceptance length "
+                       f"{result['mean_acceptance_length']:.3f} ({result['tree']})")
+    if d.world > 1:
+        barrier()
+    return result
+
+
+class RunLog:
+    """out_dir/train_log.jsonl; on resume, lines after the resumed step are dropped."""
+
+    def __init__(self, path: Path, enabled: bool, truncate_after: int = 0) -> None:
+        self.path, self.enabled = path, enabled
+        if not enabled:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lines = path.read_text().splitlines() if path.is_file() else []
+        keep = [ln for ln in lines if json.loads(ln)["step"] <= truncate_after]
+        path.write_text("".join(ln + "\n" for ln in keep) if truncate_after else "")
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
