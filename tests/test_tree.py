@@ -22,16 +22,6 @@ from treedraft.heads.tree import (
     tree_buffers,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    # Tiny tensors: intra-op threads only add contention on a shared machine (40x slower here).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 T, F = True, False
 
 # (paths, parents, ranks, depths, ancestor_mask, retrieve_indices)
