@@ -79,6 +79,7 @@ def build_sequences(loaded, rows: list[tuple[str, list[dict]]], cfg: TrainConfig
 def dataset_replies(tokenizer, rows, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
     """The first assistant reply of each row, tokenized by the chat template."""
     from .data import first_turn
+    from .target import encode_chat
 
     out, missing = {}, []
     for rid, msgs in rows:
@@ -89,8 +90,7 @@ def dataset_replies(tokenizer, rows, prompts: dict[str, list[int]]) -> dict[str,
         if reply is None:
             missing.append(rid)
             continue
-        full = tokenizer.apply_chat_template(prompt + [reply], tokenize=True)
-        full = list(full["input_ids"] if hasattr(full, "keys") else full)
+        full = encode_chat(tokenizer, prompt + [reply], add_generation_prompt=False)
         p = prompts[rid]
         if full[: len(p)] != p:
             raise ValueError(f"prompt {rid}: the chat template of prompt+reply does not start "

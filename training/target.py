@@ -48,9 +48,10 @@ def target_signature(model: torch.nn.Module, tokenizer) -> TargetSignature:
     )
 
 
-def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of ``messages`` with the chat template and the assistant prompt appended."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of ``messages`` with the chat template (and the assistant prompt appended)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                        tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
