@@ -258,6 +258,7 @@ class EagleSession:
     def __init__(self, head: EagleHead) -> None:
         self.head = head
         self.length = 0  # committed pairs = next pair position
+        self.start = 0  # position of the first pair in self.kv (> 0 after a rewind past a gap)
         self.kv: tuple[Tensor, Tensor] | None = None  # committed cache [1, Hkv, length, D]
         self.last_token: int | None = None
         self.root_feature: Tensor | None = None  # [H] output of the last committed pair
@@ -287,6 +288,26 @@ class EagleSession:
         self.length += T
         self.last_token = int(tokens[-1])
         self.root_feature = out[0, -1]
+        self._reset_tree()
+
+    def rewind(self, length: int) -> None:
+        """Make `length` the next pair position before a commit.
+
+        length < self.length: drop the later pairs (a rollback, e.g. a recomputed request).
+        length > self.length: the target skipped positions the head never saw (a prefix-cache
+        hit); restart with no draft context at that position. Drafts stay valid, only weaker.
+        """
+        if length == self.length:
+            return
+        if length < 0:
+            raise ValueError(f"rewind position must be >= 0, got {length}")
+        if self.start < length < self.length:
+            keep = length - self.start
+            self.kv = (self.kv[0][:, :, :keep], self.kv[1][:, :, :keep])
+        else:  # back to (or before) the first kept pair, or forward past a gap: no context
+            self.kv, self.start = None, length
+        self.length = length
+        self.last_token, self.root_feature = None, None
         self._reset_tree()
 
     @torch.no_grad()
@@ -324,15 +345,16 @@ class EagleSession:
         # mask [1, T, length + M + T]: all committed pairs; earlier tree slots that are
         # ancestors; among the current nodes only the node itself.
         M, T = len(self.tree_nodes), len(nodes)
-        mask = torch.zeros(T, self.length + M + T, dtype=torch.bool, device=dev)
-        mask[:, : self.length] = True
+        C = self.length - self.start  # committed pairs held in self.kv
+        mask = torch.zeros(T, C + M + T, dtype=torch.bool, device=dev)
+        mask[:, :C] = True
         slot = {node: j for j, node in enumerate(self.tree_nodes)}
         for i, n in enumerate(nodes):
             a = parents[n]
             while a > 0:
-                mask[i, self.length + slot[a]] = True
+                mask[i, C + slot[a]] = True
                 a = parents[a]
-            mask[i, self.length + M + i] = True
+            mask[i, C + M + i] = True
         past = self.kv if self.tree_kv is None else (
             torch.cat([self.kv[0], self.tree_kv[0]], 2),
             torch.cat([self.kv[1], self.tree_kv[1]], 2),

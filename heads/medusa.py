@@ -110,6 +110,9 @@ class MedusaSession:
             last = last.to(p.device, p.dtype)
         self.logprobs = torch.log_softmax(self.heads(last).float(), dim=-1)  # [K, V]
 
+    def rewind(self, length: int) -> None:
+        """Medusa drafts from the last committed hidden state only: nothing to roll back."""
+
     def expand(self, tree, nodes: list[int]) -> Tensor:
         """Log-probs [len(nodes), V] of head depth(node)+1 for each node."""
         if self.logprobs is None:

@@ -176,29 +176,21 @@ def _verify_sampled(
     # at that child, whose target row is the target's conditional given the path so far; else
     # verification stops. By induction on depth, the committed sequence has the target's joint
     # distribution. Duplicate child tokens stay exact: after the first rejection p(c) = 0.
-    filtered = filter_logits(target_logits, params)  # [N+1, V] float32
-    probs = filtered.softmax(dim=-1)  # [N+1, V] float32, rows exactly as process_logits
-    n, device = len(tokens), target_logits.device
-    # Everything the walk needs, in three transfers: p(node's token | its parent) [N], row sums
-    # [N+1] (1 up to rounding) and one uniform per node for that node's own accept test (a fixed
-    # number of draws per call).
-    parent_of = [p for p, kids in enumerate(children) for _ in kids]
-    child_ids = [c for kids in children for c in kids]
-    p_token = dict(
-        zip(
-            child_ids,
-            probs[parent_of, [tokens[c] for c in child_ids]].double().tolist(),
-            strict=True,
-        )
-    )
-    row_mass = probs.double().sum(dim=-1).tolist()
-    uniforms = torch.rand(n, generator=generator, device=device, dtype=torch.float64).tolist()
+    # Rows are processed only for the nodes the walk visits (accepted path + the last node):
+    # row-wise, so identical to processing all N+1 rows at once, and far cheaper for big trees.
+    # One uniform per node for that node's own accept test: a fixed number of draws per call.
+    uniforms = torch.rand(len(tokens), generator=generator, device=target_logits.device,
+                          dtype=torch.float64).tolist()
     accepted, node = [], 0
     while True:
-        remaining = row_mass[node]  # residual mass of p after the rejections so far
+        filtered = filter_logits(target_logits[node], params)  # [V] float32
+        probs = filtered.softmax(dim=-1)  # [V], exactly as process_logits
+        kids = children[node]
+        p_kid = probs[[tokens[c] for c in kids]].double().tolist() if kids else []
+        remaining = float(probs.double().sum())  # residual mass of p (1 up to rounding)
         rejected: list[int] = []
-        for c in children[node]:
-            p_c = 0.0 if tokens[c] in rejected else p_token[c]  # a repeated token was removed
+        for c, p_c in zip(kids, p_kid, strict=True):
+            p_c = 0.0 if tokens[c] in rejected else p_c  # a repeated token was removed
             if remaining > 0 and uniforms[c] < p_c / remaining:  # p'(c) = p(c) / residual mass
                 accepted.append(c)
                 node = c
@@ -207,11 +199,11 @@ def _verify_sampled(
             remaining -= p_c
         else:
             if not rejected:  # a leaf: plain sampling from p
-                return accepted, int(torch.multinomial(probs[node], 1, generator=generator))
-            residual = probs[node].clone()  # [V]
+                return accepted, int(torch.multinomial(probs, 1, generator=generator))
+            residual = probs.clone()  # [V]
             residual[rejected] = 0.0
             if not residual.sum() > 0:
-                return accepted, _fallback_token(filtered[node], target_logits[node], rejected)
+                return accepted, _fallback_token(filtered, target_logits[node], rejected)
             return accepted, int(torch.multinomial(residual, 1, generator=generator))
 
 

@@ -266,6 +266,16 @@ class TreeSpec:
         """The spec as a string that `parse_tree_spec` turns back into an equal spec."""
         return _SPEC_KINDS[self.kind][1](self)
 
+    @property
+    def max_nodes(self) -> int:
+        """The most nodes (root excluded) a tree drafted from this spec can have."""
+        return len(self.paths) if self.kind == "paths" else self.num_nodes
+
+    @property
+    def is_chain(self) -> bool:
+        """True for chain:K (one child per node), which plain chain verification handles."""
+        return self.kind == "paths" and all(not any(p) for p in self.paths)
+
 
 def _chain(args: list[int]) -> TreeSpec:
     _check_int("K", args[0], 1, MAX_TREE_DEPTH)

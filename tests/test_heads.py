@@ -220,6 +220,31 @@ def test_eagle_tree_expansion_equals_chains():
         sess.expand(Tree(torch.tensor([(int(prefix_tok[0]) + 1) % V]), torch.tensor([-1])), [0])
 
 
+def test_eagle_rewind_rolls_back_and_skips_gaps():
+    head = make_eagle()
+    g = torch.Generator().manual_seed(5)
+    h, tok = torch.randn(8, H, generator=g), torch.randint(0, V, (8,), generator=g)
+    full = head.draft_session()
+    full.commit(h, tok)
+    again = head.draft_session()
+    again.commit(h, tok)
+    again.commit(h[:3], tok[:3])
+    again.rewind(5)  # roll back into the committed prefix, then re-commit the rest
+    again.commit(h[5:], tok[5:])
+    torch.testing.assert_close(again.root_feature, full.root_feature, rtol=0, atol=1e-5)
+    root = Tree(tok[-1:], torch.tensor([-1]))
+    torch.testing.assert_close(again.expand(root, [0]), full.expand(root, [0]), rtol=0, atol=1e-5)
+    gap = head.draft_session()  # a prefix-cache hit: the head never saw positions 0..19
+    gap.commit(h[:2], tok[:2])
+    gap.rewind(20)
+    gap.commit(h[2:], tok[2:])
+    assert gap.length == 26 and gap.kv[0].shape[2] == 6
+    tree = Tree(torch.cat([tok[-1:], tok[:3]]), torch.tensor([-1, 0, 0, 1]))
+    assert gap.expand(tree, [0]).shape == (1, V) and gap.expand(tree, [1, 2]).shape == (2, V)
+    gap.rewind(20)  # back to the first kept pair: no context left
+    assert gap.kv is None and gap.length == 20
+
+
 def test_medusa_shapes_and_depth_limit():
     heads = make_medusa()
     hidden = torch.randn(2, 5, H)

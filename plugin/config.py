@@ -1,0 +1,159 @@
+"""`--speculative-config` → treedraft: recognise a treedraft head and rewrite the config (frontend).
+
+vLLM's `SpeculativeConfig` forbids unknown keys and never infers a method from a treedraft head
+folder, so `EngineArgs.create_speculative_config` is wrapped (it runs in the frontend, after
+plugins load). When ``model`` is a treedraft head (a folder whose config.json has ``head_type``,
+or a shipped head's short name) or ``method`` is ``"treedraft"``:
+
+- the treedraft keys (``tree``) are popped and validated; bad specs fail here, at startup;
+- the head is loaded on CPU and checked against the target (architecture, hidden size, vocab,
+  layers, tokenizer fingerprint); a mismatch names both sides;
+- the dict becomes ``method="custom_class"``, ``model=PROPOSER``,
+  ``num_speculative_tokens = the tree's node budget``;
+- ``additional_config["treedraft"]`` carries head dir, head type and tree to every process.
+
+Tree shape: ``tree`` if given, else ``chain:num_speculative_tokens`` if that is given, else the
+head's ``default_tree``. Chains are verified by vLLM's own rejection sampler; branching trees by
+treedraft's tree verifier.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .patching import Patch
+
+PROPOSER = "treedraft.plugin.proposer.TreeDraftProposer"
+KEY = "treedraft"  # additional_config key
+TREEDRAFT_KEYS = ("tree",)
+
+
+def _head_dir(model: Any) -> Path | None:
+    """The head folder if `model` names a treedraft head, else None (leave the config to vLLM)."""
+    if not isinstance(model, str) or not model:
+        return None
+    from treedraft.training.heads_zoo import SHIPPED_HEADS, resolve_head
+
+    if model in SHIPPED_HEADS:
+        return resolve_head(model)
+    cfg = Path(model).expanduser() / "config.json"
+    if cfg.is_file():
+        try:
+            if "head_type" in json.loads(cfg.read_text()):
+                return cfg.parent.resolve()
+        except (OSError, json.JSONDecodeError):
+            return None
+    return None
+
+
+def target_signature(model_config) -> Any:
+    """TargetSignature of vLLM's target ModelConfig (loads its tokenizer for the fingerprint)."""
+    from transformers import AutoTokenizer
+
+    from treedraft.heads.common import TargetSignature, tokenizer_fingerprint
+
+    hf = model_config.hf_text_config
+    tok = AutoTokenizer.from_pretrained(
+        model_config.tokenizer, trust_remote_code=model_config.trust_remote_code,
+        revision=model_config.tokenizer_revision)
+    return TargetSignature(
+        architecture=(model_config.hf_config.architectures or [""])[0],
+        hidden_size=hf.hidden_size,
+        vocab_size=hf.vocab_size,
+        num_hidden_layers=hf.num_hidden_layers,
+        tokenizer_fingerprint=tokenizer_fingerprint(tok.get_vocab()),
+    )
+
+
+def resolve_tree(sc: dict, head_config: dict) -> Any:
+    """The TreeSpec asked for by the popped `tree` key / num_speculative_tokens / head default."""
+    from treedraft.heads.tree import parse_tree_spec
+
+    tree = sc.pop("tree", None)
+    k = sc.get("num_speculative_tokens")
+    if isinstance(tree, list):  # JSON paths given inline
+        tree = json.dumps(tree)
+    if tree is None:
+        tree = f"chain:{k}" if k is not None else head_config.get("default_tree", "chain:5")
+    spec = parse_tree_spec(tree)
+    if k is not None and spec.max_nodes != k:
+        raise ValueError(
+            f"--speculative-config: num_speculative_tokens={k} disagrees with tree "
+            f"{spec.to_string()!r}, which has {spec.max_nodes} nodes; drop num_speculative_tokens "
+            f"(the tree sets it) or set it to {spec.max_nodes}"
+        )
+    return spec
+
+
+def rewrite(engine_args, target_model_config) -> None:
+    """Rewrite engine_args.speculative_config in place when it names a treedraft head."""
+    sc = dict(engine_args.speculative_config or {})
+    flags = {"method": "spec_method", "model": "spec_model", "num_speculative_tokens": "spec_tokens"}
+    for key, attr in flags.items():  # the --spec-* shorthands, merged as vLLM would
+        if getattr(engine_args, attr, None) is not None and key not in sc:
+            sc[key] = getattr(engine_args, attr)
+    sc = {k.replace("-", "_"): v for k, v in sc.items()}
+    head_dir = _head_dir(sc.get("model"))
+    if head_dir is None:
+        if sc.get("method") == KEY:
+            raise ValueError(
+                f"--speculative-config: method 'treedraft' needs 'model' to be a treedraft head "
+                f"folder (config.json with head_type) or a shipped head name, got {sc.get('model')!r}"
+            )
+        return
+    if sc.get("method") not in (None, KEY, "custom_class"):
+        raise ValueError(
+            f"--speculative-config: {head_dir} is a treedraft head, but method={sc['method']!r}; "
+            "drop 'method' (or set it to 'treedraft')"
+        )
+    for attr in flags.values():
+        setattr(engine_args, attr, None)
+    from treedraft.heads.common import load_head
+
+    head_config = json.loads((head_dir / "config.json").read_text())
+    spec = resolve_tree(sc, head_config)
+    head = load_head(head_dir)  # CPU, small; refuses a corrupt or unknown head
+    head.check_target(target_signature(target_model_config))
+    if spec.max_nodes > 1 and head.head_type == "medusa":
+        depth = max(len(p) for p in spec.paths) if spec.kind == "paths" else None
+        if depth is not None and depth > head.config.num_heads:
+            raise ValueError(
+                f"tree {spec.to_string()!r} is {depth} deep, but the Medusa head {head_dir} has "
+                f"{head.config.num_heads} heads; use a tree at most {head.config.num_heads} deep"
+            )
+    from vllm.platforms import current_platform
+
+    if not spec.is_chain and not current_platform.is_cpu():
+        raise NotImplementedError(
+            f"tree {spec.to_string()!r}: treedraft verifies branching trees on vLLM's CPU "
+            "backend only so far (the CUDA attention path is designed in plugin/attention_cpu.py "
+            "but not built); use 'chain:K' on this platform"
+        )
+    from . import metrics
+
+    metrics.ACTIVE = True  # this process serves a treedraft head: tree metrics on
+    sc.update(method="custom_class", model=PROPOSER, num_speculative_tokens=spec.max_nodes)
+    engine_args.speculative_config = sc
+    engine_args.additional_config = {
+        **(engine_args.additional_config or {}),
+        KEY: {"head_dir": str(head_dir), "head_type": head.head_type, "tree": spec.to_string()},
+    }
+
+
+def _wrap_create_speculative_config(original):
+    def create_speculative_config(self, target_model_config, target_parallel_config):
+        rewrite(self, target_model_config)
+        return original(self, target_model_config, target_parallel_config)
+
+    return create_speculative_config
+
+
+FRONTEND_PATCHES = [
+    Patch(
+        "vllm.engine.arg_utils:EngineArgs.create_speculative_config",
+        _wrap_create_speculative_config,
+        "treedraft heads in --speculative-config become a custom_class proposer",
+    ),
+]

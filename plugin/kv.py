@@ -1,0 +1,46 @@
+"""KV bookkeeping after tree verification: the accepted path moves to the first slots.
+
+vLLM's scheduler assumes accepted tokens are a prefix of the scheduled drafts: it keeps
+`root_pos + 1 + k` computed tokens and rolls back the rest. So after verification the K/V of the
+accepted nodes a_1 < ... < a_k (written at slots of positions root_pos + a_j) must sit at the
+slots of positions root_pos + j. Node a_j is at depth j and saw only the prefix and its
+ancestors at position root_pos + j, so its K/V are exactly what a chain over the path computes.
+Copying in increasing j is hazard-free: a_j >= j, and later sources a_m > a_j > j are never
+overwritten. Rejected slots need no release: they lie beyond the rolled-back length and are
+rewritten by later steps, as with vLLM's own rejected drafts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention_cpu import copy_slots
+
+
+def attention_caches(runner) -> list[torch.Tensor]:
+    """The target's KV cache tensors, one per attention layer (deduplicated)."""
+    seen, out = set(), []
+    for ctx in runner.compilation_config.static_forward_context.values():
+        kv = getattr(ctx, "kv_cache", None)
+        if isinstance(kv, list | tuple):
+            kv = kv[0] if kv else None
+        if isinstance(kv, torch.Tensor) and kv.numel() and kv.data_ptr() not in seen:
+            seen.add(kv.data_ptr())
+            out.append(kv)
+    return out
+
+
+def compact_accepted(runner, step) -> int:
+    """Move each tree request's accepted K/V to sequential slots; returns slots copied."""
+    moves_src, moves_dst = [], []
+    slot_mapping = runner.input_batch.block_table.block_tables[0].slot_mapping.cpu
+    for req in step.requests.values():
+        nodes = step.accepted.get(req.req_id, [])
+        for j, a in enumerate(nodes, start=1):
+            if a != j:
+                moves_src.append(int(slot_mapping[req.qs + a]))
+                moves_dst.append(int(slot_mapping[req.qs + j]))
+    if moves_src:
+        for kv in attention_caches(runner):
+            copy_slots(kv, moves_src, moves_dst)
+    return len(moves_src)

@@ -1,0 +1,146 @@
+"""`TreeDraftProposer`: a treedraft head drafting inside vLLM's V1 runner (worker process).
+
+vLLM builds it as a `custom_class` proposer (plugin/config.py rewrites the user's
+`--speculative-config`). It is a thin adapter: the head, its per-request draft session and the
+tree drafting are `treedraft.heads` code, unchanged; this class only maps vLLM's per-step batch
+(scheduled rows, hidden states, sampled tokens) onto one session per request.
+
+Per request and step (rows are this step's scheduled tokens, starting at position c):
+- commit the pairs (target features of row j, token at position c+j+1) for every row whose next
+  token is now known: all rows of a prefill chunk, root + accepted drafts of a decode step;
+- draft a tree (or chain) below the last sampled token and return its tokens in node order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from treedraft.heads.tree import DraftTree, draft_tree, parse_tree_spec
+
+from .config import KEY
+
+
+def target_weights(model, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's input embedding and LM head [V, H] (vLLM pads vocab rows: sliced to V)."""
+    inner = getattr(model, "model", None)
+    embed = getattr(getattr(inner, "embed_tokens", None), "weight", None)
+    lm_head = getattr(getattr(model, "lm_head", None), "weight", None)
+    if embed is None or lm_head is None:
+        raise RuntimeError(
+            f"treedraft cannot find the embeddings (model.embed_tokens) and LM head (lm_head) of "
+            f"{type(model).__name__}; only decoder LMs laid out like vLLM's Llama are supported"
+        )
+    return embed[:vocab_size], lm_head[:vocab_size]
+
+
+class TreeDraftProposer:
+    def __init__(self, vllm_config) -> None:
+        td = (vllm_config.additional_config or {}).get(KEY)
+        if not td:
+            raise RuntimeError(
+                "TreeDraftProposer is configured by treedraft's plugin: pass the head folder as "
+                "--speculative-config '{\"model\": \"HEAD_DIR\"}' instead of naming this class"
+            )
+        self.head_dir, self.head_type = td["head_dir"], td["head_type"]
+        self.spec = parse_tree_spec(td["tree"])
+        self.tree_mode = not self.spec.is_chain  # chains: vLLM's rejection sampler verifies
+        self.num_layers = vllm_config.model_config.hf_text_config.num_hidden_layers
+        self.head = None
+        self.sessions: dict[str, object] = {}
+        self.trees: dict[str, DraftTree] = {}  # drafted this step, verified next step (tree mode)
+        from . import runner
+
+        runner.install(self.tree_mode)  # worker-side patches; idempotent
+
+    # -------------------------------------------------------------- vLLM's custom_class contract
+    def load_model(self, target_model) -> None:
+        from treedraft.heads.common import load_head
+
+        head = load_head(self.head_dir)
+        sig = head.config.target
+        embed, lm_head = target_weights(target_model, sig.vocab_size)
+        if embed.shape[1] != sig.hidden_size:
+            raise ValueError(
+                f"head {self.head_dir} was trained for hidden size {sig.hidden_size}, the loaded "
+                f"target has {embed.shape[1]}"
+            )
+        head = head.to(device=embed.device, dtype=embed.dtype).eval()
+        head.bind_target(embed, lm_head)
+        self.head = head
+        self.rates = getattr(head.config, "acceptance_rates", None)
+
+    def propose(self, *args, **kwargs):
+        raise RuntimeError(
+            "treedraft's runner patch did not run: TreeDraftProposer.propose_step must be called "
+            "by the patched GPUModelRunner.propose_draft_token_ids"
+        )
+
+    # -------------------------------------------------------------- hidden states
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        """HF hidden_states indices the head reads, in head order (num_layers = final output)."""
+        return tuple(self.head.config.target_layer_ids)
+
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        """vLLM aux ids to capture: aux id k == HF hidden_states[k] for k < num_layers."""
+        return tuple(sorted({i for i in self.layer_ids if i < self.num_layers}))
+
+    def features(self, hidden_states, aux_hidden_states, rows: torch.Tensor) -> torch.Tensor:
+        """[len(rows), n*H]: the head's layers of the given scheduled rows, in head order."""
+        aux = dict(zip(self.aux_layer_ids, aux_hidden_states or (), strict=False))
+        parts = [hidden_states[rows] if i == self.num_layers else aux[i][rows]
+                 for i in self.layer_ids]
+        return torch.cat(parts, dim=-1)
+
+    def _unsupported(self, runner, req_id: str) -> bool:
+        from .sampler import tree_unsupported
+
+        return tree_unsupported(runner.requests[req_id].sampling_params) is not None
+
+    # -------------------------------------------------------------- one step
+    @torch.no_grad()
+    def propose_step(self, runner, scheduler_output, sampled_token_ids: list[list[int]],
+                     hidden_states, aux_hidden_states, accepted: dict | None = None
+                     ) -> list[list[int]]:
+        """Draft token lists in `runner.input_batch.req_ids` order (empty: no draft).
+
+        accepted: req_id -> accepted node ids of this step's tree (tree mode), else chains.
+        """
+        ib = runner.input_batch
+        qsl = runner.query_start_loc.np
+        live = set(ib.req_ids)
+        for gone in [r for r in self.sessions if r not in live]:  # finished or preempted
+            del self.sessions[gone]
+            self.trees.pop(gone, None)
+        drafts = []
+        for i, req_id in enumerate(ib.req_ids):
+            sampled = sampled_token_ids[i]
+            n = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            if n == 0:
+                drafts.append([])
+                continue
+            qs, c = int(qsl[i]), int(ib.num_computed_tokens_cpu[i])
+            nodes = (accepted or {}).get(req_id)
+            if nodes is not None:  # tree step: root row + accepted nodes' rows
+                rows = [qs] + [qs + a for a in nodes]
+            else:
+                num_drafts = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
+                m = n - num_drafts - 1 + len(sampled) if sampled else n
+                rows = list(range(qs, qs + m))
+            tokens = torch.from_numpy(ib.token_ids_cpu[i, c + 1 : c + 1 + len(rows)].copy())
+            session = self.sessions.get(req_id)
+            if session is None:
+                session = self.sessions[req_id] = self.head.draft_session()
+            session.rewind(c)
+            feats = self.features(hidden_states, aux_hidden_states,
+                                  torch.tensor(rows, device=hidden_states.device))
+            session.commit(feats, tokens.long())
+            if not sampled or (self.tree_mode and self._unsupported(runner, req_id)):
+                drafts.append([])  # partial prefill chunk, or params trees cannot honour
+                continue
+            tree = draft_tree(sampled[-1], session, self.spec, self.rates,
+                              device=hidden_states.device)
+            self.trees[req_id] = tree
+            drafts.append(tree.tokens[1:].tolist())
+        return drafts

@@ -1,0 +1,138 @@
+"""Worker-side touch points in vLLM's V1 model runner (GPUModelRunner; CPUModelRunner inherits).
+
+Installed when a `TreeDraftProposer` is built (inside the runner's __init__, before load_model),
+so they never run in engines without a treedraft head; each wrapper is inert unless the runner's
+drafter is a TreeDraftProposer.
+
+- `_setup_eagle3_aux_hidden_state_outputs`: capture the head's target layers (vLLM aux id k is
+  HF hidden_states[k]); vLLM would read them from a draft model config, which custom_class lacks.
+- `propose_draft_token_ids`: call the proposer with hidden states (custom_class gets none).
+
+Tree mode only (a branching tree spec):
+- `_prepare_inputs`: build the step's `TreeStep` from the scheduled drafts and the proposer's
+  trees; overwrite the tree rows' positions with root_pos + depth. This runs after vLLM computed
+  the slot mapping from the sequential positions, so nodes keep distinct sequential slots and
+  only RoPE (and the attention mask, plugin/attention_cpu.py) see the tree.
+- `_sample`: verify every drafted request's tree (plugin/sampler.py), then move the accepted
+  path's K/V to sequential slots (plugin/kv.py) before vLLM's bookkeeping.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import tree_step
+from .patching import Patch, apply
+
+RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+
+
+def _ours(runner) -> bool:
+    from .proposer import TreeDraftProposer
+
+    return isinstance(getattr(runner, "drafter", None), TreeDraftProposer)
+
+
+def _wrap_setup_aux(original):
+    def _setup_eagle3_aux_hidden_state_outputs(self):
+        if not _ours(self):
+            return original(self)
+        aux = self.drafter.aux_layer_ids
+        self.use_aux_hidden_state_outputs = bool(aux)
+        if aux:
+            self.get_model().set_aux_hidden_state_layers(aux)
+
+    return _setup_eagle3_aux_hidden_state_outputs
+
+
+def _wrap_propose(original):
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata,
+                                hidden_states, sample_hidden_states, aux_hidden_states,
+                                *args, **kwargs):
+        if not _ours(self):
+            return original(self, scheduler_output, sampled_token_ids, sampling_metadata,
+                            hidden_states, sample_hidden_states, aux_hidden_states,
+                            *args, **kwargs)
+        self._draft_probs = None  # argmax drafts: vLLM's rejection sampler uses one-hot q
+        self._draft_prob_req_ids = None
+        step = tree_step.current()
+        accepted = step.accepted if step is not None and self.drafter.tree_mode else None
+        drafts = self.drafter.propose_step(self, scheduler_output, sampled_token_ids,
+                                           hidden_states, aux_hidden_states, accepted)
+        tree_step.begin(None)
+        return drafts
+
+    return propose_draft_token_ids
+
+
+def build_step(runner, scheduler_output) -> tree_step.TreeStep:
+    ib = runner.input_batch
+    step = tree_step.TreeStep(scheduler_output.total_num_scheduled_tokens)
+    qsl = runner.query_start_loc.np
+    for i, req_id in enumerate(ib.req_ids):
+        drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+        if not drafts:
+            continue
+        qs, root_pos = int(qsl[i]), int(ib.num_computed_tokens_cpu[i])
+        req = tree_step.make_request(i, req_id, qs, root_pos, int(ib.token_ids_cpu[i, root_pos]),
+                                     drafts, runner.drafter.trees.get(req_id))
+        step.requests[i] = req
+        if not req.is_chain:
+            runner.positions[qs : qs + req.size] = root_pos + torch.tensor(req.depths)
+    return step
+
+
+def _wrap_prepare_inputs(original):
+    def _prepare_inputs(self, scheduler_output, *args, **kwargs):
+        result = original(self, scheduler_output, *args, **kwargs)
+        if _ours(self) and self.drafter.tree_mode:
+            tree_step.begin(build_step(self, scheduler_output))
+        return result
+
+    return _prepare_inputs
+
+
+def _wrap_sample(original):
+    def _sample(self, logits, spec_decode_metadata):
+        if not _ours(self) or spec_decode_metadata is None:
+            return original(self, logits, spec_decode_metadata)
+        if not any(spec_decode_metadata.num_draft_tokens):
+            # Every draft list was cut to nothing (e.g. at max_tokens): plain sampling of the
+            # bonus rows. vLLM's rejection sampler crashes on zero draft rows with top-k
+            # (`apply_top_k_only` takes max() of an empty tensor).
+            return original(self, logits, None)
+        if not self.drafter.tree_mode:
+            return original(self, logits, spec_decode_metadata)
+        from .kv import compact_accepted
+        from .sampler import verify_trees
+
+        step = tree_step.current()
+        out = verify_trees(self, logits, spec_decode_metadata, step)
+        if step is not None:
+            compact_accepted(self, step)
+        return out
+
+    return _sample
+
+
+WORKER_PATCHES = [
+    Patch(f"{RUNNER}._setup_eagle3_aux_hidden_state_outputs", _wrap_setup_aux,
+          "capture the treedraft head's target layers as aux hidden states"),
+    Patch(f"{RUNNER}.propose_draft_token_ids", _wrap_propose,
+          "treedraft proposer receives target hidden states"),
+    Patch(f"{RUNNER}._sample", _wrap_sample,
+          "tree verification and accepted-path KV compaction; steps without drafts"),
+]
+TREE_PATCHES = [
+    Patch(f"{RUNNER}._prepare_inputs", _wrap_prepare_inputs,
+          "tree drafts get positions root + depth (slots stay sequential)"),
+]
+
+
+def install(tree_mode: bool) -> None:
+    apply(WORKER_PATCHES)
+    if tree_mode:
+        from .attention_cpu import register
+
+        register()
+        apply(TREE_PATCHES)

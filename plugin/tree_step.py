@@ -1,0 +1,85 @@
+"""Per-step tree context shared by the worker-side touch points (positions, attention, sampler).
+
+`runner._prepare_inputs` builds a `TreeStep` for the step being executed; the attention backend
+reads its ancestor masks, the sampler verifies with its parents and records the accepted nodes,
+and the proposer commits those nodes' hidden states. One step runs at a time per worker
+(synchronous scheduling), so a module-level slot is enough; `num_tokens` guards against reusing
+it in any other forward (profiling and warm-up runs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from treedraft.heads.tree import tree_buffers
+
+
+@dataclass
+class TreeRequest:
+    req_index: int  # row in input_batch
+    req_id: str
+    qs: int  # first scheduled row (the root) in this step's flattened tokens
+    root_pos: int  # position of the root = committed tokens before this step
+    tokens: list[int]  # [n+1] root + scheduled drafts (valid ones only)
+    parents: list[int]  # [n+1], parents[0] = -1, topological
+    depths: list[int]  # [n+1]
+    is_chain: bool
+    mask: torch.Tensor | None = None  # [n+1, root_pos + n+1] bool: prefix + ancestors (trees)
+
+    @property
+    def size(self) -> int:
+        return len(self.parents)
+
+
+@dataclass
+class TreeStep:
+    num_tokens: int  # total scheduled tokens of the step
+    requests: dict[int, TreeRequest] = field(default_factory=dict)  # req_index -> request
+    accepted: dict[str, list[int]] = field(default_factory=dict)  # req_id -> accepted node ids
+
+    @property
+    def trees(self) -> list[TreeRequest]:
+        """Requests whose drafts branch (need the ancestor mask and tree positions)."""
+        return [r for r in self.requests.values() if not r.is_chain]
+
+
+_current: TreeStep | None = None
+
+
+def make_request(req_index: int, req_id: str, qs: int, root_pos: int, root: int,
+                 drafts: list[int], tree) -> TreeRequest:
+    """Scheduled drafts -> the tree they are (or a chain, when they are not the drafted tree).
+
+    The scheduler may keep only a prefix of the drafts; a prefix of a topologically ordered tree
+    is a tree. Placeholders (-1, for resumed requests) and anything else we did not draft are
+    verified as a chain, which is exact too; the valid part ends at the first -1.
+    """
+    n = next((i for i, t in enumerate(drafts) if t < 0), len(drafts))
+    drafts = list(drafts[:n])
+    if tree is not None and tree.tokens[1:n + 1].tolist() == drafts and int(tree.tokens[0]) == root:
+        parents = tree.parents[: n + 1].tolist()
+    else:
+        parents = [-1] + list(range(n))
+    buf = tree_buffers(parents)
+    depths = buf.depths.tolist()
+    is_chain = depths == list(range(n + 1))
+    mask = None
+    if not is_chain:
+        mask = torch.ones(n + 1, root_pos + n + 1, dtype=torch.bool)
+        mask[:, root_pos:] = buf.ancestor_mask
+    return TreeRequest(req_index, req_id, qs, root_pos, [root] + drafts, parents, depths,
+                       is_chain, mask)
+
+
+def begin(step: TreeStep) -> None:
+    global _current
+    _current = step
+
+
+def current(num_tokens: int | None = None) -> TreeStep | None:
+    """The step being executed, if it has `num_tokens` tokens (None: any)."""
+    if _current is None or (num_tokens is not None and _current.num_tokens != num_tokens):
+        return None
+    return _current

