@@ -75,3 +75,22 @@ def test_bad_jsonl_line_names_the_line(tmp_path):
     r = run("prompts", str(f))
     assert r.returncode != 0
     assert "line 2" in r.stderr and "prompt" in r.stderr and "messages" in r.stderr
+
+
+def test_bench_configs_rows_and_table():
+    from treedraft.scripts.bench import _row, markdown, speculative_config
+
+    assert speculative_config("no-spec", "H") is None
+    assert speculative_config("chain=3", "H") == {"model": "H", "num_speculative_tokens": 3}
+    assert speculative_config("tree=dynamic:10,3,3", "H") == {"model": "H", "tree": "dynamic:10,3,3"}
+    assert speculative_config("ngram=4", "H")["method"] == "ngram"
+    with pytest.raises(ValueError, match="bench config 'bogus'"):
+        speculative_config("bogus", "H")
+    spec = {"drafts": 2, "draft_tokens": 6, "accepted": 2, "accepted_per_pos": [2, 0, 0],
+            "mean_acceptance_length": 2.0}
+    row = _row("chain=3", {"batch_size": 2, "params": {"temperature": 0}},
+               {"tokens": [[1, 2, 3], [4, 5]], "wave_seconds": [0.5], "spec": spec})
+    assert row["tokens_per_s"] == 10 and row["tpot_ms"] == pytest.approx(500 / 3)
+    assert row["acceptance_per_depth"] == [1.0, 0.0, 0.0] and row["mean_tree_size"] == 3
+    row["speedup"] = 1.5
+    assert "| chain=3 | 0 | 2 | 10.0 | 166.7 | 1.50x | 2.00 | 3.0 |" in markdown([row])
