@@ -2,7 +2,8 @@
 rejection sampler) and treedraft trees (static and dynamic), side by side in one invocation.
 
     treedraft bench                                  # embedded default: SmolLM2 + shipped EAGLE head
-    treedraft bench --limit 4 --max-new-tokens 64 --batch-sizes 1,4 --temperatures 0   # quick look
+    treedraft bench --limit 2 --max-new-tokens 32 --batch-sizes 1,4 --temperatures 0   # quick look
+    treedraft bench --limit 80 --max-new-tokens 256                 # full MT-bench (hours on CPU)
     treedraft bench --target HF_FOLDER --head HEAD_DIR --config 'tree=dynamic:16,4,4'
 
 Each configuration runs in its own engine process (scripts/engine.py) over MT-bench first turns,
@@ -19,12 +20,12 @@ import json
 import time
 from pathlib import Path
 
-DEFAULT_CONFIGS = (
+DEFAULT_CONFIGS = (  # small trees: on a CPU every verified token costs compute
     "no-spec",
     "ngram=4",
-    "chain=4",
-    "tree=static:16",
-    "tree=dynamic:16,4,4",
+    "chain=3",
+    "tree=static:10",
+    "tree=dynamic:10,3,3",
 )
 
 
@@ -123,7 +124,7 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
 
 
 def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
-          prompts: str = "mtbench", limit: int = 8, max_new_tokens: int = 128,
+          prompts: str = "mtbench", limit: int = 4, max_new_tokens: int = 64,
           batch_sizes=(1, 4, 16, 32), temperatures=(0.0, 1.0), configs=DEFAULT_CONFIGS,
           out: str | Path = "runs/bench") -> list[dict]:
     from transformers import AutoTokenizer

@@ -129,8 +129,8 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="smollm2-135m", help="short name, HF folder or hub id")
     p.add_argument("--head", default="smollm2-135m-eagle", help="head folder or shipped name")
     p.add_argument("--prompts", default="mtbench")
-    p.add_argument("--limit", type=int, default=8, help="first N prompts (first turns)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--limit", type=int, default=4, help="first N prompts (first turns)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--batch-sizes", type=ints, default=(1, 4, 16, 32))
     p.add_argument("--temperatures", type=floats, default=(0.0, 1.0))
     p.add_argument("--config", action="append", default=None,
