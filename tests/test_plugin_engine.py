@@ -7,6 +7,8 @@ One engine per configuration runs the same jobs (tests/../scripts/engine.py):
   only at an fp near-tie of the target (top-2 logit gap < 1e-3, reported), at most once.
 * preemption: the tree engine with a KV cache of 5 blocks of 128 tokens for the same 8 requests:
   preemption happens (counted by vLLM) and outputs are still identical.
+* chunked prefill: a 64-token step budget chunks the prompts and cuts trees to a prefix (fewer
+  scheduled than drafted nodes); outputs are still identical.
 * parity: single-stream, the acceptance vLLM counts per depth equals the offline evaluator's
   (`treedraft eval`'s reference decoder) for the same head, prompts and tree (chain:3 and
   dynamic:10,3,3): number of verify steps and accepted count at every depth equal within one
@@ -99,6 +101,8 @@ def runs(target, prompts, tokenizer, tmp_path_factory):
         "tree": (target, TREE, jobs, None),
         "medusa": (target, {"model": str(medusa), "tree": MEDUSA_TREE}, greedy, None),
         "preempt": (target, TREE, greedy, small_kv),
+        # 64-token step budget: prompts are prefilled in chunks and trees get cut to a prefix
+        "chunked": (target, TREE, greedy, {"max_num_batched_tokens": 64, "max_num_seqs": 8}),
     })
 
 
@@ -126,7 +130,7 @@ def _check_identical(base: list[list[int]], got: list[list[int]], prompts, targe
         f"{name} output differs from no-speculation beyond fp near-ties: {gaps}")
 
 
-@pytest.mark.parametrize("name", ["chain", "tree", "medusa", "preempt"])
+@pytest.mark.parametrize("name", ["chain", "tree", "medusa", "preempt", "chunked"])
 def test_greedy_outputs_identical_to_no_speculation(runs, name, prompts, target):
     base = runs["base"][0]["greedy"]["tokens"]
     res = runs[name][0]["greedy"]
@@ -135,6 +139,8 @@ def test_greedy_outputs_identical_to_no_speculation(runs, name, prompts, target)
     assert res["spec"]["drafts"] > 0, "speculation never ran"
     if name == "preempt":
         assert res["spec"]["preemptions"] > 0, "the small KV cache did not force preemption"
+    if name == "chunked":  # some trees were scheduled only in part
+        assert res["spec"]["draft_tokens"] < 10 * res["spec"]["drafts"]
     if name != "chain":  # trees were drafted: more draft tokens than verify steps
         assert res["spec"]["draft_tokens"] > res["spec"]["drafts"]
 
