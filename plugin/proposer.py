@@ -41,11 +41,12 @@ class TreeDraftProposer:
                 "TreeDraftProposer is configured by treedraft's plugin: pass the head folder as "
                 "--speculative-config '{\"model\": \"HEAD_DIR\"}' instead of naming this class"
             )
-        self.head_dir, self.head_type = td["head_dir"], td["head_type"]
+        self.head_dir = td["head_dir"]
         self.spec = parse_tree_spec(td["tree"])
         self.tree_mode = not self.spec.is_chain  # chains: vLLM's rejection sampler verifies
         self.num_layers = vllm_config.model_config.hf_text_config.num_hidden_layers
         self.head = None
+        self.rates = None  # the head's acceptance_rates (static trees), set in load_model
         self.sessions: dict[str, object] = {}
         self.trees: dict[str, DraftTree] = {}  # drafted this step, verified next step (tree mode)
         from . import runner
@@ -57,15 +58,9 @@ class TreeDraftProposer:
         from treedraft.heads.common import load_head
 
         head = load_head(self.head_dir)
-        sig = head.config.target
-        embed, lm_head = target_weights(target_model, sig.vocab_size)
-        if embed.shape[1] != sig.hidden_size:
-            raise ValueError(
-                f"head {self.head_dir} was trained for hidden size {sig.hidden_size}, the loaded "
-                f"target has {embed.shape[1]}"
-            )
+        embed, lm_head = target_weights(target_model, head.config.target.vocab_size)
         head = head.to(device=embed.device, dtype=embed.dtype).eval()
-        head.bind_target(embed, lm_head)
+        head.bind_target(embed, lm_head)  # checks both are [vocab_size, hidden_size]
         self.head = head
         self.rates = getattr(head.config, "acceptance_rates", None)
 

@@ -132,14 +132,13 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
     from treedraft.training.data import first_turn, load_prompts
     from treedraft.training.heads_zoo import resolve_head
     from treedraft.training.models import resolve_model
+    from treedraft.training.target import encode_chat
 
     from .engine import run_engine
 
     specs = {c: speculative_config(c, str(resolve_head(head))) for c in configs}  # fail early
     target_dir = str(resolve_model(target))
     tok = AutoTokenizer.from_pretrained(target_dir)
-    from treedraft.training.target import encode_chat
-
     ids = [encode_chat(tok, first_turn(m)) for m in load_prompts(prompts, limit=limit)["messages"]]
     jobs = _jobs(ids, batch_sizes, temperatures, max_new_tokens)
     out = Path(out)

@@ -8,16 +8,10 @@ is kept out of the pytest process. The script's stdout ends with one line
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
-
-def vllm_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
-    return env
+from treedraft.scripts.engine import engine_env
 
 
 def run_vllm(model: str, prompts: list[list[dict]], *, max_tokens: int = 24, timeout: int = 600,
@@ -25,7 +19,7 @@ def run_vllm(model: str, prompts: list[list[dict]], *, max_tokens: int = 24, tim
     """Greedy chat completions of ``prompts`` with vLLM; returns (texts, vLLM's log)."""
     request = {"model": model, "prompts": prompts, "max_tokens": max_tokens, "llm": llm_kwargs}
     proc = subprocess.run([sys.executable, __file__, json.dumps(request)], capture_output=True,
-                          text=True, timeout=timeout, env=vllm_env())
+                          text=True, timeout=timeout, env=engine_env())
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("TREEDRAFT_RESULT ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"vLLM run failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
