@@ -9,6 +9,11 @@ Per request and step (rows are this step's scheduled tokens, starting at positio
 - commit the pairs (target features of row j, token at position c+j+1) for every row whose next
   token is now known: all rows of a prefill chunk, root + accepted drafts of a decode step;
 - draft a tree (or chain) below the last sampled token and return its tokens in node order.
+
+vLLM's `num_speculative_tokens_per_batch_size` schedule (scheduler_output.
+num_spec_tokens_to_schedule) is the node budget of the step: chains are drafted that deep, other
+trees are cut to their first nodes (a prefix of a topologically ordered tree is a tree), and at 0
+nothing is drafted (the head still reads the step's hidden states, so it keeps its context).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ class TreeDraftProposer:
             )
         self.head_dir = td["head_dir"]
         self.spec = parse_tree_spec(td["tree"])
+        self._chains: dict[int, object] = {}  # budget -> chain spec (shorter chains)
         self.tree_mode = not self.spec.is_chain  # chains: vLLM's rejection sampler verifies
         self.num_layers = vllm_config.model_config.hf_text_config.num_hidden_layers
         self.head = None
@@ -88,6 +94,14 @@ class TreeDraftProposer:
                  for i in self.layer_ids]
         return torch.cat(parts, dim=-1)
 
+    def spec_for(self, budget: int):
+        """The spec to draft with when at most `budget` nodes will be scheduled."""
+        if not self.spec.is_chain or budget >= self.spec.max_nodes:
+            return self.spec
+        if budget not in self._chains:
+            self._chains[budget] = parse_tree_spec(f"chain:{budget}")
+        return self._chains[budget]
+
     def _unsupported(self, runner, req_id: str) -> bool:
         from .sampler import tree_unsupported
 
@@ -108,6 +122,8 @@ class TreeDraftProposer:
         for gone in [r for r in self.sessions if r not in live]:  # finished or preempted
             del self.sessions[gone]
             self.trees.pop(gone, None)
+        budget = getattr(scheduler_output, "num_spec_tokens_to_schedule", None)
+        budget = self.spec.max_nodes if budget is None else min(budget, self.spec.max_nodes)
         drafts = []
         for i, req_id in enumerate(ib.req_ids):
             sampled = sampled_token_ids[i]
@@ -131,11 +147,12 @@ class TreeDraftProposer:
             feats = self.features(hidden_states, aux_hidden_states,
                                   torch.tensor(rows, device=hidden_states.device))
             session.commit(feats, tokens.long())
-            if not sampled or (self.tree_mode and self._unsupported(runner, req_id)):
-                drafts.append([])  # partial prefill chunk, or params trees cannot honour
+            if not sampled or budget == 0 or (self.tree_mode and self._unsupported(runner, req_id)):
+                drafts.append([])  # partial prefill chunk, no budget, or params trees cannot honour
+                self.trees.pop(req_id, None)
                 continue
-            tree = draft_tree(sampled[-1], session, self.spec, self.rates,
+            tree = draft_tree(sampled[-1], session, self.spec_for(budget), self.rates,
                               device=hidden_states.device)
-            self.trees[req_id] = tree
-            drafts.append(tree.tokens[1:].tolist())
+            self.trees[req_id] = tree  # make_request keeps the scheduled prefix
+            drafts.append(tree.tokens[1 : budget + 1].tolist())
         return drafts

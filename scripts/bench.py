@@ -11,7 +11,9 @@ for every batch size (requests submitted in waves of that many, prompts cycled t
 and temperature. Writes OUT/bench.json (tokens/s, TPOT, mean acceptance length, per-depth
 acceptance, speedup vs no-spec per row), OUT/bench.md (the table) and two PNG plots (speedup vs
 batch size; acceptance per depth). TPOT here is wave wall time / the wave's longest output,
-i.e. the time per output token a stream of that wave saw.
+i.e. the time per output token a stream of that wave saw. Engines run as `vllm serve` would by
+default (dtype auto, i.e. bfloat16 on a CPU that has it; torch.compile on); `--dtype float32
+--enforce-eager` is what the exactness tests use.
 """
 
 from __future__ import annotations
@@ -30,7 +32,11 @@ DEFAULT_CONFIGS = (  # small trees: on a CPU every verified token costs compute
 
 
 def speculative_config(config: str, head: str) -> dict | None:
-    """'no-spec' | 'ngram=K' | 'chain=K' | 'tree=SPEC' -> vLLM's speculative_config dict."""
+    """'no-spec' | 'ngram=K' | 'chain=K' | 'tree=SPEC' | 'spec=JSON' -> vLLM's speculative_config.
+
+    spec=JSON is any --speculative-config dict ("model" defaults to the benchmarked head), e.g.
+    'spec={"tree": "chain:3", "num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 256, 0]]}'.
+    """
     kind, _, arg = config.partition("=")
     if kind == "no-spec":
         return None
@@ -41,7 +47,16 @@ def speculative_config(config: str, head: str) -> dict | None:
         return {"model": head, "num_speculative_tokens": int(arg or 4)}
     if kind == "tree":
         return {"model": head, "tree": arg}
-    raise ValueError(f"bench config {config!r}: use no-spec, ngram=K, chain=K or tree=SPEC")
+    if kind == "spec":
+        try:
+            sc = json.loads(arg)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"bench config {config!r}: spec= needs a JSON object ({e})") from e
+        if not isinstance(sc, dict):
+            raise ValueError(f"bench config {config!r}: spec= needs a JSON object")
+        return {"model": head, **sc}
+    raise ValueError(f"bench config {config!r}: use no-spec, ngram=K, chain=K, tree=SPEC or "
+                     "spec=JSON")
 
 
 def _jobs(prompts: list[list[int]], batch_sizes, temperatures, max_new_tokens: int) -> list[dict]:
@@ -126,7 +141,8 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
 def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
           prompts: str = "mtbench", limit: int = 4, max_new_tokens: int = 64,
           batch_sizes=(1, 4, 16, 32), temperatures=(0.0, 1.0), configs=DEFAULT_CONFIGS,
-          out: str | Path = "runs/bench") -> list[dict]:
+          out: str | Path = "runs/bench", dtype: str = "auto",
+          enforce_eager: bool = False) -> list[dict]:
     from transformers import AutoTokenizer
 
     from treedraft.training.data import first_turn, load_prompts
@@ -146,8 +162,8 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
     rows = []
     for c in configs:
         t = time.perf_counter()
-        results, _ = run_engine(target_dir, specs[c], jobs,
-                                llm={"max_num_seqs": max(batch_sizes)}, timeout=7200)
+        llm = {"max_num_seqs": max(batch_sizes), "dtype": dtype, "enforce_eager": enforce_eager}
+        results, _ = run_engine(target_dir, specs[c], jobs, llm=llm, timeout=7200)
         rows += [_row(c, j, results[j["name"]]) for j in jobs]
         print(f"{c}: done in {time.perf_counter() - t:.0f} s", flush=True)
     base = {(r["batch_size"], r["temperature"]): r["tokens_per_s"] for r in rows
@@ -155,7 +171,8 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
     for r in rows:
         r["speedup"] = r["tokens_per_s"] / base[(r["batch_size"], r["temperature"])]
     meta = {"target": target, "head": head, "prompts": prompts, "limit": limit,
-            "max_new_tokens": max_new_tokens, "baseline": configs[0]}
+            "max_new_tokens": max_new_tokens, "baseline": configs[0], "dtype": dtype,
+            "enforce_eager": enforce_eager}
     (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     table = markdown(rows)
     (out / "bench.md").write_text(table)

@@ -95,6 +95,8 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=d.top_k)
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--limit", type=int, default=None, help="first N prompts only")
+    p.add_argument("--stride", type=int, default=1,
+                   help="every N-th prompt (mtbench --stride 5: 16 prompts, 2 per category)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--json", default=None, help="write the full report here")
 
@@ -108,7 +110,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
     cfg = EvalConfig(target=args.target, head=args.head, prompts=args.prompts, tree=args.tree,
                      temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                     max_new_tokens=args.max_new_tokens, limit=args.limit, seed=args.seed)
+                     max_new_tokens=args.max_new_tokens, limit=args.limit, stride=args.stride,
+                     seed=args.seed)
     report = evaluate(cfg)
     if args.json:
         write_report(report, args.json)
@@ -137,6 +140,8 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
                    help=f"repeatable: no-spec | ngram=K | chain=K | tree=SPEC; the first is the "
                         f"speedup baseline (default: {' '.join(DEFAULT_CONFIGS)})")
     p.add_argument("--out", default="runs/bench", help="folder for bench.json, bench.md, PNGs")
+    p.add_argument("--dtype", default="auto", help="vLLM dtype (auto: bfloat16 where supported)")
+    p.add_argument("--enforce-eager", action="store_true", help="no torch.compile (starts faster)")
 
 
 @command("bench", _bench_args)
@@ -145,7 +150,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from treedraft.scripts.bench import DEFAULT_CONFIGS, bench
 
     bench(args.target, args.head, args.prompts, args.limit, args.max_new_tokens,
-          args.batch_sizes, args.temperatures, tuple(args.config or DEFAULT_CONFIGS), args.out)
+          args.batch_sizes, args.temperatures, tuple(args.config or DEFAULT_CONFIGS), args.out,
+          dtype=args.dtype, enforce_eager=args.enforce_eager)
 
 
 def _train_args(p: argparse.ArgumentParser) -> None:

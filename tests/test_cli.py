@@ -39,7 +39,7 @@ def random_eagle(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 def test_eval_random_head_matches_plain_decoding(random_eagle, tmp_path):
-    common = ["--prompts", "mtbench", "--limit", "2", "--max-new-tokens", "12"]
+    common = ["--prompts", "mtbench", "--stride", "40", "--limit", "2", "--max-new-tokens", "12"]
     spec = run("eval", "--head", str(random_eagle), "--tree", "chain:3", *common,
                "--json", str(tmp_path / "spec.json"))
     assert spec.returncode == 0, spec.stderr
@@ -53,6 +53,7 @@ def test_eval_random_head_matches_plain_decoding(random_eagle, tmp_path):
     assert s["tree"] == "chain:3" and len(s["per_position_acceptance"]) == 3
     assert 1.0 <= s["mean_acceptance_length"] < 1.1, s["mean_acceptance_length"]
     assert [o["tokens"] for o in s["outputs"]] == [o["tokens"] for o in p["outputs"]]
+    assert [o["id"] for o in s["outputs"]] == ["mtbench-81", "mtbench-121"]  # 1st and 41st
     assert json.loads(spec.stdout)["tokens_generated"] == s["tokens_generated"]
 
 
@@ -84,8 +85,13 @@ def test_bench_configs_rows_and_table():
     assert speculative_config("chain=3", "H") == {"model": "H", "num_speculative_tokens": 3}
     assert speculative_config("tree=dynamic:10,3,3", "H") == {"model": "H", "tree": "dynamic:10,3,3"}
     assert speculative_config("ngram=4", "H")["method"] == "ngram"
+    sched = 'spec={"tree": "chain:3", "num_speculative_tokens_per_batch_size": [[1, 4, 3]]}'
+    assert speculative_config(sched, "H") == {
+        "model": "H", "tree": "chain:3", "num_speculative_tokens_per_batch_size": [[1, 4, 3]]}
     with pytest.raises(ValueError, match="bench config 'bogus'"):
         speculative_config("bogus", "H")
+    with pytest.raises(ValueError, match="spec= needs a JSON object"):
+        speculative_config("spec=[1]", "H")
     spec = {"drafts": 2, "draft_tokens": 6, "accepted": 2, "accepted_per_pos": [2, 0, 0],
             "mean_acceptance_length": 2.0}
     row = _row("chain=3", {"batch_size": 2, "params": {"temperature": 0}},

@@ -1,14 +1,17 @@
-"""treedraft heads inside a real vLLM engine on CPU (SmolLM2, shipped EAGLE head): exact output.
+"""treedraft heads inside a real vLLM engine on CPU (SmolLM2, shipped heads): exact output.
 
 One engine per configuration runs the same jobs (tests/../scripts/engine.py):
 * greedy: 8 MT-bench first turns of different lengths, submitted together (batch 8, mixed
-  prefill and decode), 48 tokens. Chain (vLLM's rejection sampler), dynamic tree and a Medusa
-  static tree must be token-identical to vLLM without speculation; a divergence is tolerated
+  prefill and decode), 48 tokens. Chain (vLLM's rejection sampler), dynamic tree and a tree of
+  the shipped Medusa head must be token-identical to vLLM without speculation; a divergence is tolerated
   only at an fp near-tie of the target (top-2 logit gap < 1e-3, reported), at most once.
 * preemption: the tree engine with a KV cache of 5 blocks of 128 tokens for the same 8 requests:
   preemption happens (counted by vLLM) and outputs are still identical.
 * chunked prefill: a 64-token step budget chunks the prompts and cuts trees to a prefix (fewer
   scheduled than drafted nodes); outputs are still identical.
+* batch-size schedule: vLLM's `num_speculative_tokens_per_batch_size` caps the tree at 2 nodes
+  at batch <= 2 and turns drafting off above; outputs are still identical, and the draft counts
+  show the cap (single stream: trees of at most 2 nodes; batch 8: no drafts while all 8 run).
 * parity: single-stream, the acceptance vLLM counts per depth equals the offline evaluator's
   (`treedraft eval`'s reference decoder) for the same head, prompts and tree (chain:3 and
   dynamic:10,3,3): number of verify steps and accepted count at every depth equal within one
@@ -36,6 +39,7 @@ TREE = {"model": EAGLE, "tree": "dynamic:10,3,3"}
 MEDUSA_TREE = "[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]"
 SAMPLES = 600
 SAMPLE_TEXT = "The sea is"  # a short raw prompt: 600 prefills stay cheap
+SCHEDULE = [[1, 2, 2], [3, 256, 0]]  # batch <= 2: at most 2 draft nodes; above: none
 PARAMS = {"topp": {"temperature": 0.8, "top_p": 0.9}, "topk": {"temperature": 1.0, "top_k": 5}}
 
 
@@ -85,13 +89,7 @@ class Runs(dict):
 
 
 @pytest.fixture(scope="module")
-def runs(target, prompts, tokenizer, tmp_path_factory):
-    from treedraft.training.target import init_head, load_target
-
-    loaded = load_target(target)
-    medusa = tmp_path_factory.mktemp("heads") / "medusa"
-    torch.manual_seed(0)
-    init_head("medusa", loaded.model, loaded.tokenizer, num_heads=3).save_pretrained(medusa)
+def runs(target, prompts, tokenizer):
     jobs = _jobs(prompts, tokenizer)
     greedy = jobs[:1]
     small_kv = {"num_gpu_blocks_override": 5, "max_model_len": 512}  # 5 blocks of 128 tokens
@@ -99,10 +97,13 @@ def runs(target, prompts, tokenizer, tmp_path_factory):
         "base": (target, None, jobs, None),
         "chain": (target, CHAIN, jobs, None),
         "tree": (target, TREE, jobs, None),
-        "medusa": (target, {"model": str(medusa), "tree": MEDUSA_TREE}, greedy, None),
+        "medusa": (target, {"model": "smollm2-135m-medusa", "tree": MEDUSA_TREE}, greedy, None),
         "preempt": (target, TREE, greedy, small_kv),
         # 64-token step budget: prompts are prefilled in chunks and trees get cut to a prefix
         "chunked": (target, TREE, greedy, {"max_num_batched_tokens": 64, "max_num_seqs": 8}),
+        "schedule": (target, {**TREE, "num_speculative_tokens_per_batch_size": SCHEDULE},
+                     [*jobs[:2], {"name": "wide", "prompts": prompts, "params": {
+                         "temperature": 0, "max_tokens": 16, "ignore_eos": True}}], None),
     })
 
 
@@ -143,6 +144,24 @@ def test_greedy_outputs_identical_to_no_speculation(runs, name, prompts, target)
         assert res["spec"]["draft_tokens"] < 10 * res["spec"]["drafts"]
     if name != "chain":  # trees were drafted: more draft tokens than verify steps
         assert res["spec"]["draft_tokens"] > res["spec"]["drafts"]
+
+
+def test_batch_size_schedule_caps_drafts(runs, prompts, target):
+    base, res = runs["base"][0], runs["schedule"][0]
+    for job in ("greedy", "parity"):
+        _check_identical(base[job]["tokens"], res[job]["tokens"], prompts, target, job)
+    single, batch = res["parity"]["spec"], res["greedy"]["spec"]
+    assert single["drafts"] > 0 and single["accepted"] > 0, single
+    assert single["drafts"] < single["draft_tokens"] <= 2 * single["drafts"], single
+    assert batch["draft_tokens"] <= 2 * batch["drafts"], batch
+    # 8 requests that run together to the end (ignore_eos): drafts only in the first steps,
+    # while the engine (its own process) has not received all 8 yet; 16 steps otherwise
+    wide = res["wide"]
+    assert wide["spec"]["drafts"] <= 3, wide["spec"]
+    assert wide["spec"]["draft_tokens"] <= 2 * wide["spec"]["drafts"], wide["spec"]
+    assert all(len(t) == 16 for t in wide["tokens"])
+    for b, w in zip(base["greedy"]["tokens"], wide["tokens"], strict=True):
+        assert w[: len(b)] == b[:16]
 
 
 @pytest.mark.parametrize("name, tree", [("chain", "chain:3"), ("tree", "dynamic:10,3,3")])

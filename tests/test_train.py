@@ -112,6 +112,24 @@ def test_kill_and_resume_matches_uninterrupted(tiny, tmp_path, monkeypatch):
         torch.testing.assert_close(wa[k], wb[k], atol=1e-6, rtol=0)
 
 
+def test_init_from_continues_from_a_heads_weights(tiny, tmp_path):
+    dv = ["--head.draft_vocab_size=256"]
+    first = tmp_path / "first"
+    train(load_config(None, args(tiny, first, max_steps=3) + dv))
+    src = load_head(first / "final")
+    # zero lr: the new run's head must stay exactly the source head (draft vocab included)
+    second = tmp_path / "second"
+    train(load_config(None, args(tiny, second, max_steps=1, lr=0.0, warmup_steps=0,
+                                 init_from=first / "final") + dv))
+    got = load_file(second / "final" / "model.safetensors")
+    for k, v in src.state_dict().items():
+        torch.testing.assert_close(got[k], v, atol=0, rtol=0)
+    assert not torch.equal(got["d2t"], torch.arange(256))  # the source's chosen vocabulary
+    with pytest.raises(ValueError, match=r"init_from=.*draft_vocab_size: 256 there, 128 here"):
+        train(load_config(None, args(tiny, tmp_path / "third", init_from=first / "final")
+                          + ["--head.draft_vocab_size=128"]))
+
+
 def test_resume_with_different_config_is_refused(tiny, tmp_path):
     train(cfg_of(tiny, tmp_path, max_steps=2))
     with pytest.raises(ValueError, match=r"different config: lr: 0.003 -> 0.01") as e:
@@ -245,3 +263,13 @@ def test_bad_inputs_fail_before_expensive_work(tiny, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="8 prompts have no assistant reply.*regenerate=true"):
         train(cfg_of(tiny, tmp_path, regenerate="false"))
     assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize("recipe", ["smollm2-135m-eagle", "smollm2-135m-medusa", "tiny-cpu"])
+def test_recipes_load_and_validate(recipe):
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "recipes" / f"{recipe}.yaml"
+    cfg = load_config(path, [])
+    cfg.validate()
+    assert cfg.head_type in ("eagle", "medusa") and cfg.data != "mtbench"

@@ -38,6 +38,8 @@ class TrainConfig:
     head_type: str = "eagle"  # eagle | medusa
     head: dict[str, Any] = field(default_factory=dict)  # head-config overrides, e.g.
     #   eagle: target_layer_ids, draft_vocab_size, intermediate_size; medusa: num_heads, num_layers
+    init_from: str | None = None  # start from this head's weights (folder or shipped name; same
+    #   head_type and shape), e.g. to continue a finished run with a new schedule or more data
     # --- data
     data: str = "sharegpt"  # sharegpt | humaneval | FILE.jsonl (never mtbench)
     num_prompts: int = 1000  # training prompts (the first ones of `data`, MT-bench rows dropped)

@@ -42,7 +42,8 @@ class EvalConfig:
     top_p: float = 1.0
     top_k: int = 0
     max_new_tokens: int = 256
-    limit: int | None = None  # first N prompts
+    limit: int | None = None  # first N prompts (after the stride)
+    stride: int = 1  # every stride-th prompt: MT-bench with stride 5 is 2 per category
     seed: int = 0  # request i uses seed + i
 
 
@@ -142,11 +143,16 @@ def evaluate(cfg: EvalConfig, *, progress: bool = True) -> dict:
 
     if cfg.tree is not None:
         parse_tree_spec(cfg.tree)  # bad specs fail before anything is loaded
+    if cfg.stride < 1:
+        raise ValueError(f"stride={cfg.stride} must be >= 1 (1 = every prompt)")
     loaded = load_target(cfg.target)
     head = None
     if cfg.head != "none":
         head = load_head_for(cfg.head, loaded.model, target_signature(loaded.model, loaded.tokenizer))
-    ds = load_prompts(cfg.prompts, limit=cfg.limit)
+    ds = load_prompts(cfg.prompts, limit=cfg.limit if cfg.stride == 1 else None)
+    if cfg.stride > 1:
+        ds = ds.select(range(0, len(ds), cfg.stride))
+        ds = ds.select(range(min(cfg.limit, len(ds)))) if cfg.limit is not None else ds
     params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
     report = run_eval(loaded, head, list(zip(ds["id"], ds["messages"], strict=True)), tree=cfg.tree,
                       params=params, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed,

@@ -165,10 +165,12 @@ def train(cfg: TrainConfig, resume: str | os.PathLike | None = None) -> Path | N
     loaded = load_target(cfg.target)
     loaded.model.to(d.device)
     head = init_head(cfg.head_type, loaded.model, loaded.tokenizer, **cfg.head).to(d.device)
+    if cfg.init_from and ckpt is None:  # a resume loads its own weights
+        init_weights(head, cfg.init_from)  # before the data: a mismatch fails fast
     objective = Objective(head, cfg)  # checks step_weights against the head
     train_seqs, eval_seqs, eval_rows = prepare_data(cfg, loaded, d)
     vd = getattr(head.config, "draft_vocab_size", None)
-    if vd is not None:
+    if vd is not None and not cfg.init_from:
         head.set_draft_vocab(choose_draft_vocab(train_seqs, head.config.target.vocab_size, vd))
     autocast = torch.bfloat16 if cfg.dtype == "bfloat16" else None
     batch_fn = make_batches(cfg, loaded.model, head, train_seqs, out, autocast)
@@ -230,6 +232,25 @@ def train(cfg: TrainConfig, resume: str | os.PathLike | None = None) -> Path | N
     final = ckpt_io.provenance(cfg, step=step, total_steps=total, eval=result,
                                tokens_per_s=run_tokens / max(train_time, 1e-9), **prov)
     return ckpt_io.save_head_dir(out / "final", head, cfg, final)
+
+
+def init_weights(head, name_or_path: str) -> None:
+    """Copy the weights (draft vocabulary included) of a saved head into `head`."""
+    from treedraft.heads import load_head
+
+    from .heads_zoo import resolve_head
+
+    src = load_head(resolve_head(name_or_path), target=head.target_signature)
+    mine, theirs = head.config.to_dict(), src.config.to_dict()
+    ignore = {"acceptance_rates", "default_tree"}
+    problems = [f"{k}: {theirs.get(k)!r} there, {mine.get(k)!r} here"
+                for k in sorted((set(mine) | set(theirs)) - ignore) if mine.get(k) != theirs.get(k)]
+    if src.head_type != head.head_type or problems:
+        raise ValueError(
+            f"init_from={name_or_path!r} is a {src.head_type} head shaped differently from the "
+            f"{head.head_type} head this config builds ({'; '.join(problems) or 'head_type'}); "
+            "set head_type and head: {...} to match it")
+    head.load_state_dict(src.state_dict(), strict=True)
 
 
 def train_step(model, head, batch_fn, order: DataOrder, optimizer, cfg: TrainConfig, d: Dist,
