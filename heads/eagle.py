@@ -313,6 +313,25 @@ class EagleSession:
     @torch.no_grad()
     def expand(self, tree, nodes: list[int]) -> Tensor:
         """Log-probs [len(nodes), V_target] of each node's CHILD token (float32)."""
+        return torch.log_softmax(self.head.logits(self._features(tree, nodes)).float(), dim=-1)
+
+    @torch.no_grad()
+    def expand_topk(self, tree, nodes: list[int], k: int) -> tuple[Tensor, Tensor]:
+        """Top-k (log-probs [N, k] float32, target token ids [N, k]) of each node's child.
+
+        Same values as `expand(...).topk(k)`, computed over the draft vocabulary only: with a
+        reduced draft vocab this skips the scatter into, softmax over and top-k of the full one.
+        """
+        lg = self.head.draft_logits(self._features(tree, nodes)).float()
+        if k > lg.shape[-1]:
+            raise ValueError(f"cannot draft {k} distinct children from a vocabulary of "
+                             f"{lg.shape[-1]}")
+        values, idx = torch.log_softmax(lg, dim=-1).topk(k, dim=-1)
+        d2t = getattr(self.head, "d2t", None)
+        return values, (idx if d2t is None else d2t[idx])
+
+    def _features(self, tree, nodes: list[int]) -> Tensor:
+        """[len(nodes), H] output features of the nodes, running the missing ones first."""
         if self.length == 0:
             raise RuntimeError("commit target hidden states before drafting (nothing committed)")
         if 0 in nodes:
@@ -331,8 +350,7 @@ class EagleSession:
                 raise ValueError(f"cannot expand nodes {todo}: their parents were never expanded")
             self._run(tree, parents, ready)
             todo = [n for n in todo if n not in self.feat]
-        feats = torch.stack([self.feat[n] for n in nodes])  # [N, H]
-        return torch.log_softmax(self.head.logits(feats).float(), dim=-1)
+        return torch.stack([self.feat[n] for n in nodes])  # [N, H]
 
     def _run(self, tree, parents: list[int], nodes: list[int]) -> None:
         """One batched forward over `nodes` (all parents already have features)."""

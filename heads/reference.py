@@ -22,8 +22,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from .sampling import SamplingParams, sample, verify_tree
-from .tree import TreeSpec, draft_tree
+from .sampling import SamplingParams, draft_chain, sample, verify_chain, verify_tree
+from .tree import DraftTree, TreeSpec, draft_tree
 
 GREEDY = SamplingParams()
 
@@ -110,7 +110,13 @@ def speculative_generate(
     generator: torch.Generator | None = None,
     acceptance_rates=None,
 ) -> DecodeResult:
-    """Tree speculative decoding; same output distribution as ``plain_generate``."""
+    """Tree speculative decoding; same output distribution as ``plain_generate``.
+
+    Chains at T > 0 draw each draft from the head's distribution q (under the request's
+    temperature/top-k/top-p) and verify with speculative sampling against q, as the vLLM plugin
+    does; trees (and greedy chains) draft the top-ranked tokens and use `verify_tree`.
+    """
+    sampled_chain = spec.is_chain and not params.greedy
     logits, hidden = _prefill(target, prompt)
     root = sample(logits[-1], params, generator)  # first generated token = root of the first tree
     session = head.draft_session()
@@ -118,11 +124,20 @@ def speculative_generate(
     session.commit(hidden, torch.tensor(prompt[1:] + [root]))
     result = DecodeResult([root])
     while not _done(result.tokens, max_new_tokens, eos):
-        tree = draft_tree(root, session, spec, acceptance_rates)
+        if sampled_chain:  # drafts drawn from q, speculative sampling with q (as vLLM does)
+            drafts, q = draft_chain(root, session, spec.max_nodes, params, generator)
+            K = len(drafts)
+            tree = DraftTree(torch.tensor([root, *drafts]), torch.arange(-1, K), torch.zeros(K + 1))
+        else:
+            tree = draft_tree(root, session, spec, acceptance_rates)
         buf = tree.buffers()
         start = target.length  # the root's position: it is not in the cache yet
         logits, hidden = target.forward(tree.tokens, start + buf.depths, buf.ancestor_mask)
-        accepted, root = verify_tree(tree.tokens, tree.parents, logits, params, generator)
+        if sampled_chain:
+            n, root = verify_chain(drafts, q, logits, params, generator)
+            accepted = list(range(1, n + 1))
+        else:
+            accepted, root = verify_tree(tree.tokens, tree.parents, logits, params, generator)
         path = torch.tensor([0, *accepted])  # node ids of root + accepted nodes, in order
         target.keep(start, path)  # accepted KV -> contiguous slots after the prefix
         new = tree.tokens[path[1:]].tolist() + [root]

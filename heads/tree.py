@@ -431,6 +431,9 @@ class Expander(Protocol):
         """Log-probs [len(nodes), V] of each listed node's next token (its children)."""
         ...
 
+    # Optional: expand_topk(tree, nodes, k) -> (log-probs [N, k], token ids [N, k]), descending,
+    # equal to expand(tree, nodes).topk(k); draft_tree uses it when present.
+
 
 def _make_tree(
     tokens: list[int], parents: list[int], logprobs: list[float], device: Device
@@ -445,7 +448,15 @@ def _make_tree(
 def _expand_topk(
     expander: Expander, tree: DraftTree, nodes: list[int], k: int
 ) -> tuple[list, list]:
-    """Top-k (log-probs, tokens) per listed node, descending: two [len(nodes), k] lists."""
+    """Top-k (log-probs, tokens) per listed node, descending: two [len(nodes), k] lists.
+
+    An expander may offer `expand_topk(tree, nodes, k)` with the same result, computed faster
+    (EagleSession: over its reduced draft vocabulary only).
+    """
+    fast = getattr(expander, "expand_topk", None)
+    if fast is not None:
+        values, tokens = fast(tree, nodes, k)
+        return values.tolist(), tokens.tolist()
     logp = expander.expand(tree, nodes)  # [len(nodes), V]
     if logp.dim() != 2 or logp.shape[0] != len(nodes):
         shape = tuple(logp.shape)

@@ -9,6 +9,10 @@ Per request and step (rows are this step's scheduled tokens, starting at positio
 - commit the pairs (target features of row j, token at position c+j+1) for every row whose next
   token is now known: all rows of a prefill chunk, root + accepted drafts of a decode step;
 - draft a tree (or chain) below the last sampled token and return its tokens in node order.
+  Chains of requests that sample (T > 0) draw each token from the head's distribution q under
+  the request's temperature/top-k/top-p (`heads.sampling.draft_chain`) and hand q to vLLM's
+  rejection sampler as draft probabilities (`last_draft_probs`); greedy requests and trees draft
+  the top-ranked tokens (q one-hot, vLLM's default).
 
 vLLM's `num_speculative_tokens_per_batch_size` schedule (scheduler_output.
 num_spec_tokens_to_schedule) is the node budget of the step: chains are drafted that deep, other
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from treedraft.heads.sampling import draft_chain
 from treedraft.heads.tree import DraftTree, draft_tree, parse_tree_spec
 
 from .config import KEY
@@ -55,6 +60,7 @@ class TreeDraftProposer:
         self.rates = None  # the head's acceptance_rates (static trees), set in load_model
         self.sessions: dict[str, object] = {}
         self.trees: dict[str, DraftTree] = {}  # drafted this step, verified next step (tree mode)
+        self.last_draft_probs: torch.Tensor | None = None  # [num_reqs, K, V] of the last step
         from . import runner
 
         runner.install(self.tree_mode)  # worker-side patches; idempotent
@@ -67,6 +73,9 @@ class TreeDraftProposer:
         embed, lm_head = target_weights(target_model, head.config.target.vocab_size)
         head = head.to(device=embed.device, dtype=embed.dtype).eval()
         head.bind_target(embed, lm_head)  # checks both are [vocab_size, hidden_size]
+        from .cpu_gemm import use_vllm_gemm
+
+        use_vllm_gemm(head)  # CPU bf16: vLLM's packed GEMM kernels for the head's linears
         self.head = head
         self.rates = getattr(head.config, "acceptance_rates", None)
 
@@ -124,7 +133,7 @@ class TreeDraftProposer:
             self.trees.pop(gone, None)
         budget = getattr(scheduler_output, "num_spec_tokens_to_schedule", None)
         budget = self.spec.max_nodes if budget is None else min(budget, self.spec.max_nodes)
-        drafts = []
+        drafts, probs = [], {}  # probs: row -> q [K, V] of sampled chains
         for i, req_id in enumerate(ib.req_ids):
             sampled = sampled_token_ids[i]
             n = scheduler_output.num_scheduled_tokens.get(req_id, 0)
@@ -151,8 +160,43 @@ class TreeDraftProposer:
                 drafts.append([])  # partial prefill chunk, no budget, or params trees cannot honour
                 self.trees.pop(req_id, None)
                 continue
-            tree = draft_tree(sampled[-1], session, self.spec_for(budget), self.rates,
-                              device=hidden_states.device)
+            spec = self.spec_for(budget)
+            params = None if self.tree_mode else self._sampled_params(runner, req_id)
+            if params is not None:
+                tokens, probs[i] = draft_chain(sampled[-1], session, spec.max_nodes, params)
+                drafts.append(tokens)
+                continue
+            tree = draft_tree(sampled[-1], session, spec, self.rates, device=hidden_states.device)
             self.trees[req_id] = tree  # make_request keeps the scheduled prefix
             drafts.append(tree.tokens[1 : budget + 1].tolist())
+        self.last_draft_probs = self._draft_probs(runner, drafts, probs) if probs else None
+        if probs:
+            from vllm.logger import init_logger
+
+            init_logger("vllm.treedraft").info_once(
+                "treedraft: chains of sampling requests draw drafts from the head's q and pass "
+                "q to vLLM's rejection sampler as draft probabilities")
         return drafts
+
+    def _sampled_params(self, runner, req_id: str):
+        """heads SamplingParams of a request that samples (T > 0), else None (greedy)."""
+        from .sampler import heads_params
+
+        params = heads_params(runner.requests[req_id].sampling_params)
+        return None if params.greedy else params
+
+    @staticmethod
+    def _draft_probs(runner, drafts: list[list[int]], probs: dict) -> torch.Tensor:
+        """[num_reqs, K, V] float32 draft probabilities in input-batch order for vLLM's
+        rejection sampler: q of sampled chains, one-hot rows for argmax drafts (vLLM's default
+        q), zeros where a request has no drafts (vLLM reads only the scheduled prefix)."""
+        K = max(len(d) for d in drafts)
+        V = runner.input_batch.vocab_size
+        out = torch.zeros(len(drafts), K, V, dtype=torch.float32)
+        for i, d in enumerate(drafts):
+            if i in probs:
+                q = probs[i]
+                out[i, : len(d), : q.shape[-1]] = q
+            elif d:
+                out[i, torch.arange(len(d)), torch.tensor(d)] = 1.0
+        return out

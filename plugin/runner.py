@@ -6,7 +6,8 @@ drafter is a TreeDraftProposer.
 
 - `_setup_eagle3_aux_hidden_state_outputs`: capture the head's target layers (vLLM aux id k is
   HF hidden_states[k]); vLLM would read them from a draft model config, which custom_class lacks.
-- `propose_draft_token_ids`: call the proposer with hidden states (custom_class gets none).
+- `propose_draft_token_ids`: call the proposer with hidden states (custom_class gets none) and
+  hand its draft probabilities (sampled chains) to vLLM's rejection sampler.
 
 Tree mode only (a branching tree spec):
 - `_prepare_inputs`: build the step's `TreeStep` from the scheduled drafts and the proposer's
@@ -53,13 +54,16 @@ def _wrap_propose(original):
             return original(self, scheduler_output, sampled_token_ids, sampling_metadata,
                             hidden_states, sample_hidden_states, aux_hidden_states,
                             *args, **kwargs)
-        self._draft_probs = None  # argmax drafts: vLLM's rejection sampler uses one-hot q
-        self._draft_prob_req_ids = None
         step = tree_step.current()
         accepted = step.accepted if step is not None and self.drafter.tree_mode else None
         drafts = self.drafter.propose_step(self, scheduler_output, sampled_token_ids,
                                            hidden_states, aux_hidden_states, accepted)
         tree_step.begin(None)
+        # Sampled chains: q for vLLM's rejection sampler (read back by _get_spec_decode_draft_probs
+        # at the next step); None = argmax drafts everywhere, vLLM's one-hot q.
+        probs = self.drafter.last_draft_probs
+        self._draft_probs = None if probs is None else probs.to(self.device)
+        self._draft_prob_req_ids = None if probs is None else list(self.input_batch.req_ids)
         return drafts
 
     return propose_draft_token_ids

@@ -4,6 +4,8 @@ rejection sampler) and treedraft trees (static and dynamic), side by side in one
     treedraft bench                                  # embedded default: SmolLM2 + shipped EAGLE head
     treedraft bench --limit 2 --max-new-tokens 32 --batch-sizes 1,4 --temperatures 0   # quick look
     treedraft bench --limit 80 --max-new-tokens 256                 # full MT-bench (hours on CPU)
+    treedraft bench --stride 10 --limit 8 --batch-sizes 1 --config no-spec --config chain=1
+                                                     # one question per MT-bench category
     treedraft bench --target HF_FOLDER --head HEAD_DIR --config 'tree=dynamic:16,4,4'
 
 Each configuration runs in its own engine process (scripts/engine.py) over MT-bench first turns,
@@ -142,7 +144,7 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
           prompts: str = "mtbench", limit: int = 4, max_new_tokens: int = 64,
           batch_sizes=(1, 4, 16, 32), temperatures=(0.0, 1.0), configs=DEFAULT_CONFIGS,
           out: str | Path = "runs/bench", dtype: str = "auto",
-          enforce_eager: bool = False) -> list[dict]:
+          enforce_eager: bool = False, stride: int = 1) -> list[dict]:
     from transformers import AutoTokenizer
 
     from treedraft.training.data import first_turn, load_prompts
@@ -155,7 +157,7 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
     specs = {c: speculative_config(c, str(resolve_head(head))) for c in configs}  # fail early
     target_dir = str(resolve_model(target))
     tok = AutoTokenizer.from_pretrained(target_dir)
-    ids = [encode_chat(tok, first_turn(m)) for m in load_prompts(prompts, limit=limit)["messages"]]
+    ids = [encode_chat(tok, first_turn(m)) for m in load_prompts(prompts, limit=limit, stride=stride)["messages"]]
     jobs = _jobs(ids, batch_sizes, temperatures, max_new_tokens)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -171,7 +173,7 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
     for r in rows:
         r["speedup"] = r["tokens_per_s"] / base[(r["batch_size"], r["temperature"])]
     meta = {"target": target, "head": head, "prompts": prompts, "limit": limit,
-            "max_new_tokens": max_new_tokens, "baseline": configs[0], "dtype": dtype,
+            "stride": stride, "max_new_tokens": max_new_tokens, "baseline": configs[0], "dtype": dtype,
             "enforce_eager": enforce_eager}
     (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     table = markdown(rows)

@@ -133,6 +133,8 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head", default="smollm2-135m-eagle", help="head folder or shipped name")
     p.add_argument("--prompts", default="mtbench")
     p.add_argument("--limit", type=int, default=4, help="first N prompts (first turns)")
+    p.add_argument("--stride", type=int, default=1,
+                   help="every N-th prompt, before --limit (mtbench --stride 10: one per category)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--batch-sizes", type=ints, default=(1, 4, 16, 32))
     p.add_argument("--temperatures", type=floats, default=(0.0, 1.0))
@@ -151,7 +153,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     bench(args.target, args.head, args.prompts, args.limit, args.max_new_tokens,
           args.batch_sizes, args.temperatures, tuple(args.config or DEFAULT_CONFIGS), args.out,
-          dtype=args.dtype, enforce_eager=args.enforce_eager)
+          dtype=args.dtype, enforce_eager=args.enforce_eager, stride=args.stride)
 
 
 def _train_args(p: argparse.ArgumentParser) -> None:

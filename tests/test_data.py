@@ -61,6 +61,14 @@ def test_mtbench():
     assert first_turn(ds[0]["messages"]) == [{"role": "user", "content": MTBENCH_Q1}]
 
 
+def test_mtbench_stride_takes_one_question_per_category():
+    ds = load_prompts("mtbench", stride=10)
+    assert ds["id"] == [f"mtbench-{81 + 10 * i}" for i in range(8)]
+    assert load_prompts("mtbench", stride=10, limit=3)["id"] == ds["id"][:3]  # stride, then limit
+    with pytest.raises(ValueError, match="stride must be an int >= 1"):
+        load_prompts("mtbench", stride=0)
+
+
 def test_sharegpt(sharegpt):
     assert 17_000 <= len(sharegpt) <= 18_000
     check_schema(sharegpt, "sharegpt")

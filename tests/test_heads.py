@@ -25,6 +25,7 @@ from treedraft.heads.common import (
 )
 from treedraft.heads.eagle import EagleConfig, EagleHead
 from treedraft.heads.medusa import MedusaConfig, MedusaHeads
+from treedraft.heads.tree import draft_tree, parse_tree_spec
 
 H, V, L = 32, 50, 4
 
@@ -170,6 +171,34 @@ def test_eagle_draft_vocab_mapping():
     assert lg.shape == (3, V) and torch.isinf(lg[:, outside]).all() and (lg[:, outside] < 0).all()
     expect = f @ head.target_lm_head[d2t].T  # lm_head was initialised from the target's rows
     torch.testing.assert_close(lg[:, d2t], expect)
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 10])
+def test_eagle_expand_topk_equals_topk_of_expand(draft_vocab):
+    """The fast path draft_tree takes (top-k over the draft vocab only) changes no draft."""
+    head = make_eagle(draft_vocab_size=draft_vocab)
+    if draft_vocab:
+        head.set_draft_vocab(torch.randperm(V, generator=torch.Generator().manual_seed(5))[:10])
+    g = torch.Generator().manual_seed(4)
+    h, tok = torch.randn(5, H, generator=g), torch.randint(0, V, (5,), generator=g)
+    sess = head.draft_session()
+    sess.commit(h, tok)
+    tree = Tree(torch.tensor([int(tok[-1]), 3, 7]), torch.tensor([-1, 0, 0]))
+    for nodes in ([0], [1, 2]):
+        values, ids = sess.expand_topk(tree, nodes, 4)
+        ref_values, ref_ids = sess.expand(tree, nodes).topk(4, dim=-1)
+        torch.testing.assert_close(values, ref_values, rtol=0, atol=1e-6)
+        assert torch.equal(ids, ref_ids)
+
+    class Slow:  # the same session without the fast path
+        def __init__(self, s):
+            self.expand = s.expand
+
+    for spec in ("chain:3", "static:6", "dynamic:6,3,2"):
+        fast = draft_tree(int(tok[-1]), sess, parse_tree_spec(spec))
+        slow = draft_tree(int(tok[-1]), Slow(sess), parse_tree_spec(spec))
+        assert torch.equal(fast.tokens, slow.tokens) and torch.equal(fast.parents, slow.parents)
+        torch.testing.assert_close(fast.logprobs, slow.logprobs, rtol=0, atol=1e-6)
 
 
 def test_eagle_incremental_equals_full_sequence():

@@ -6,6 +6,7 @@ layout, the accepted-path KV copy, tree-step bookkeeping, and `--speculative-con
   platform registers its kernels.
 * `TreeCPUAttentionBackendImpl.forward` on a real paged cache written by vLLM's C++ op: chain
   rows equal the C++ kernel, tree rows equal attention over prefix + ancestors computed directly.
+* The head's linears on vLLM's CPU GEMM kernels (bf16): same drafts as torch's F.linear.
 * Config: a treedraft head becomes a custom_class proposer with node-budget speculative tokens;
   bad tree specs and heads of another target are refused at startup with messages naming both.
 """
@@ -64,6 +65,49 @@ def test_vllm_expand_batch_to_tokens_uses_the_fix():
 
 
 # ----------------------------------------------------------------------------- tree attention
+def test_head_linears_run_on_vllms_cpu_gemm():
+    import vllm._C  # noqa: F401  (loads the C++ ops)
+
+    from treedraft.heads.common import TargetSignature
+    from treedraft.heads.eagle import EagleConfig, EagleHead
+    from treedraft.heads.tree import draft_tree, parse_tree_spec
+    from treedraft.plugin.cpu_gemm import use_vllm_gemm
+
+    H, V = 128, 512
+    sig = TargetSignature("LlamaForCausalLM", H, V, 4, "abc")
+    torch.manual_seed(0)
+    cfg = EagleConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=256, target=sig, target_layer_ids=(1, 4),
+                      draft_vocab_size=256)
+    plain = EagleHead(cfg).eval()
+    for p in plain.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    embed, lm = torch.randn(V, H) * 0.05, torch.randn(V, H) * 0.05
+    plain.bind_target(embed, lm)
+    fp32 = EagleHead(cfg).eval()
+    fp32.load_state_dict(plain.state_dict())
+    fp32.bind_target(embed, lm)
+    assert use_vllm_gemm(fp32) == 0  # float32 keeps torch's kernels
+    plain = plain.to(torch.bfloat16)
+    plain.bind_target(embed.bfloat16(), lm.bfloat16())
+    fast = EagleHead(cfg).to(torch.bfloat16).eval()
+    fast.load_state_dict(plain.state_dict())
+    fast.bind_target(embed.bfloat16(), lm.bfloat16())
+    linears = sum(isinstance(m, torch.nn.Linear) for m in fast.modules())
+    assert use_vllm_gemm(fast) == linears == 10  # fuse, combine, q/k/v/o, gate/up/down, lm_head
+
+    hidden = torch.randn(6, 2 * H, dtype=torch.bfloat16)
+    tokens = torch.randint(0, V, (6,))
+    logp = []
+    for head in (plain, fast):
+        s = head.draft_session()
+        s.commit(hidden, tokens)
+        tree = draft_tree(int(tokens[-1]), s, parse_tree_spec("chain:3"))
+        logp.append(s.expand(tree, [0])[0])
+    torch.testing.assert_close(logp[1], logp[0], rtol=0, atol=0.05)  # bf16 rounding only
+    assert logp[0].argmax() == logp[1].argmax()
+
+
 def _impl_and_cache(Hq=9, Hkv=3, D=64, nb=16, bs=32):
     from vllm.config import set_current_vllm_config
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata  # noqa: F401

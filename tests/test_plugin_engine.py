@@ -19,7 +19,8 @@ One engine per configuration runs the same jobs (tests/../scripts/engine.py):
 * sampling: 600 samples of the first 3 tokens of a fixed prompt at T=0.8/top-p 0.9 and at
   T=1/top-k 5; the joint distribution of the 3 tokens with speculation (chain and branching
   tree) equals the one without (chi-square homogeneity test, significance 1e-3), and drafts
-  were accepted during those jobs (so the spec path really ran).
+  were accepted during those jobs (so the spec path really ran). The chain samples its drafts
+  from the head's q and gives q to vLLM's rejection sampler (the engine log says so).
 """
 
 from __future__ import annotations
@@ -207,3 +208,5 @@ def test_sampled_distribution_equals_no_speculation(runs, name, job):
     p = chi2_contingency(rows).pvalue
     print(f"{name}/{job}: {len(keep)} categories, p = {p:.3g}, spec {res['spec']}")
     assert p > 1e-3
+    if name == "chain":  # sampled chains drafted from q and handed q to the rejection sampler
+        assert "pass q to vLLM's rejection sampler as draft probabilities" in runs[name][1]

@@ -119,15 +119,18 @@ def _pair_counts(generate, n: int, vocab: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "params", [SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=1.0, top_k=3)]
+    "params, shape",
+    [(SamplingParams(temperature=0.8, top_p=0.9), "[[0],[1],[0,0],[0,1],[1,0]]"),  # branching
+     (SamplingParams(temperature=1.0, top_k=3), "[[0],[1],[0,0],[0,1],[1,0]]"),
+     (SamplingParams(temperature=0.8, top_p=0.9), "chain:2")],  # drafts sampled from q
 )
-def test_sampling_distribution_matches_plain(params):
+def test_sampling_distribution_matches_plain(params, shape):
     vocab, n = 8, 1500
     model = _tiny_llama(0, vocab)
     target = HFTarget(model)
     drafter = OracleDrafter(_tiny_llama(1, vocab))  # a different model: partial acceptance
     drafter.prompt = prompt = [1, 5, 2]
-    tree = parse_tree_spec("[[0],[1],[0,0],[0,1],[1,0]]")  # two children at the root and below
+    tree = parse_tree_spec(shape)
 
     def spec(g):
         return speculative_generate(target, drafter, prompt, 3, tree, params, generator=g)

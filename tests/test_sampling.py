@@ -16,6 +16,7 @@ from treedraft.heads.sampling import (
     make_generator,
     process_logits,
     sample,
+    verify_chain,
     verify_tree,
 )
 
@@ -245,6 +246,44 @@ def test_verify_tree_matches_the_rule_monte_carlo():
     df = int(cells.sum()) - 1
     assert chi2 < df + 4 * math.sqrt(2 * df), (chi2, df)  # ~ p < 1e-4 under the null
     assert tv((counts / n).tolist(), want) < 0.05  # sampling noise here is ~0.02
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.9, top_k=5, top_p=0.95),
+                                    SamplingParams(temperature=1.0)])
+def test_verify_chain_with_draft_probs_is_exact_monte_carlo(params):
+    """Drafts x_i ~ q_i, speculative sampling against q: the first two committed tokens have the
+    target's joint distribution p0(x1) p(x2 | x1), whatever q is (q has zeros too)."""
+    V, n = 6, 6000
+    g = torch.Generator().manual_seed(2)
+    logits0, off_logits = torch.randn(V, generator=g), torch.randn(V, V, generator=g)
+    q = torch.rand(2, V, generator=g) * torch.tensor([1.0, 1, 0, 1, 1, 0])  # q misses 2 and 5
+    q = q / q.sum(-1, keepdim=True)
+    p0, off = process_logits(logits0, params), process_logits(off_logits, params)
+    want = (p0[:, None] * off).double().tolist()  # [x1][x2]
+    counts = torch.zeros(V, V)
+    for _ in range(n):
+        d = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(2)]
+        rows = torch.stack([logits0, off_logits[d[0]], torch.randn(V, generator=g)])
+        k, nxt = verify_chain(d, q, rows, params, g)
+        committed = d[:k] + [nxt]
+        if len(committed) == 1:  # the next step starts after the resampled token
+            committed.append(int(torch.multinomial(off[nxt], 1, generator=g)))
+        counts[committed[0], committed[1]] += 1
+    expected = n * torch.tensor(want)
+    cells = expected >= 5
+    chi2 = float(((counts - expected)[cells] ** 2 / expected[cells]).sum())
+    df = int(cells.sum()) - 1
+    assert chi2 < df + 4 * math.sqrt(2 * df), (chi2, df)  # ~ p < 1e-4 under the null
+    assert tv((counts / n).tolist(), want) < 0.05
+
+
+def test_verify_chain_greedy_and_shapes():
+    logits = one_hot_logits([3, 4, 7])  # target argmax after root, after d1, after d2
+    one_hot = torch.zeros(2, 10)
+    one_hot[0, 3] = one_hot[1, 1] = 1
+    assert verify_chain([3, 1], one_hot, logits, SamplingParams()) == (1, 4)
+    with pytest.raises(ValueError, match="draft_probs"):
+        verify_chain([3, 1], one_hot[:1], logits, SamplingParams())
 
 
 def test_sampled_verify_reproducible_with_seed():

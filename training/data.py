@@ -328,11 +328,14 @@ def load_prompts(
     *,
     limit: int | None = None,
     purpose: Literal["eval", "train"] = "eval",
+    stride: int = 1,
 ) -> datasets.Dataset:
     """Load a prompt set as a Dataset with ``prompt_features()`` (see the module docstring).
 
     ``source``: "mtbench", "sharegpt", "humaneval", or the path of a .jsonl file.
-    ``limit``: keep the first ``limit`` rows (after MT-bench filtering for training).
+    ``stride``: keep every ``stride``-th row (MT-bench, 80 questions in 8 categories of 10:
+    stride 10 is one question per category, stride 5 two).
+    ``limit``: then keep the first ``limit`` rows (after MT-bench filtering for training).
     ``purpose="train"``: refuse MT-bench and drop rows that open with an MT-bench question.
     """
     import datasets
@@ -341,6 +344,8 @@ def load_prompts(
         raise ValueError(f"purpose must be one of {PURPOSES}, got {purpose!r}")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
         raise ValueError(f"limit must be None or an int >= 0, got {limit!r}")
+    if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
+        raise ValueError(f"stride must be an int >= 1 (1 = every prompt), got {stride!r}")
     if purpose == "train" and source == "mtbench":
         raise ValueError(
             "MT-bench is the evaluation set and must never be trained on; "
@@ -350,7 +355,7 @@ def load_prompts(
     dropped: list[str] = []
     if purpose == "train":
         rows = _drop_mtbench(rows, mtbench_turns(), dropped)
-    rows = list(itertools.islice(rows, limit))
+    rows = list(itertools.islice(itertools.islice(rows, None, None, stride), limit))
     if dropped:
         logger.warning(
             "dropped %d training prompts from %s that are MT-bench questions (e.g. %s)",

@@ -143,16 +143,11 @@ def evaluate(cfg: EvalConfig, *, progress: bool = True) -> dict:
 
     if cfg.tree is not None:
         parse_tree_spec(cfg.tree)  # bad specs fail before anything is loaded
-    if cfg.stride < 1:
-        raise ValueError(f"stride={cfg.stride} must be >= 1 (1 = every prompt)")
+    ds = load_prompts(cfg.prompts, limit=cfg.limit, stride=cfg.stride)  # bad input fails early
     loaded = load_target(cfg.target)
     head = None
     if cfg.head != "none":
         head = load_head_for(cfg.head, loaded.model, target_signature(loaded.model, loaded.tokenizer))
-    ds = load_prompts(cfg.prompts, limit=cfg.limit if cfg.stride == 1 else None)
-    if cfg.stride > 1:
-        ds = ds.select(range(0, len(ds), cfg.stride))
-        ds = ds.select(range(min(cfg.limit, len(ds)))) if cfg.limit is not None else ds
     params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
     report = run_eval(loaded, head, list(zip(ds["id"], ds["messages"], strict=True)), tree=cfg.tree,
                       params=params, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed,
