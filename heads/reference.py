@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from .sampling import SamplingParams, draft_chain, sample, verify_chain, verify_tree
-from .tree import DraftTree, TreeSpec, draft_tree
+from .tree import TreeSpec, draft_tree
 
 GREEDY = SamplingParams()
 
@@ -125,16 +125,14 @@ def speculative_generate(
     result = DecodeResult([root])
     while not _done(result.tokens, max_new_tokens, eos):
         if sampled_chain:  # drafts drawn from q, speculative sampling with q (as vLLM does)
-            drafts, q = draft_chain(root, session, spec.max_nodes, params, generator)
-            K = len(drafts)
-            tree = DraftTree(torch.tensor([root, *drafts]), torch.arange(-1, K), torch.zeros(K + 1))
+            tree, q = draft_chain(root, session, spec.max_nodes, params, generator)
         else:
             tree = draft_tree(root, session, spec, acceptance_rates)
         buf = tree.buffers()
         start = target.length  # the root's position: it is not in the cache yet
         logits, hidden = target.forward(tree.tokens, start + buf.depths, buf.ancestor_mask)
         if sampled_chain:
-            n, root = verify_chain(drafts, q, logits, params, generator)
+            n, root = verify_chain(tree.tokens[1:].tolist(), q, logits, params, generator)
             accepted = list(range(1, n + 1))
         else:
             accepted, root = verify_tree(tree.tokens, tree.parents, logits, params, generator)

@@ -236,25 +236,31 @@ def verify_tree(
 # ----------------------------------------------------------------------------- sampled chains
 
 
+def _chain(tokens: list[int], logprobs: list[float]) -> DraftTree:
+    return DraftTree(torch.tensor(tokens), torch.arange(-1, len(tokens) - 1),
+                     torch.tensor(logprobs, dtype=torch.float32))
+
+
 def draft_chain(root_token: int, expander, depth: int, params: SamplingParams,
-                generator: torch.Generator | None = None) -> tuple[list[int], Tensor]:
+                generator: torch.Generator | None = None) -> tuple[DraftTree, Tensor]:
     """Draft `depth` tokens below `root_token`, each drawn from q = process_logits(head, params).
 
-    Returns the tokens and q [depth, V] (float32), the draft distributions vLLM's rejection
-    sampler needs as draft probabilities. Greedy params give argmax tokens and one-hot q.
-    `expander` is a head's draft session (heads/tree.py `Expander`), committed up to the root.
+    Returns the chain (a DraftTree: root + drafts, log q of each draft) and q [depth, V]
+    (float32), the draft distributions vLLM's rejection sampler needs as draft probabilities.
+    Greedy params give argmax tokens and one-hot q. `expander` is a head's draft session
+    (heads/tree.py `Expander`), committed up to the root.
     """
     if depth < 1:
         raise ValueError(f"depth must be >= 1, got {depth}")
-    tokens, qs = [int(root_token)], []
+    tokens, logprobs, qs = [int(root_token)], [0.0], []
     for d in range(depth):
-        tree = DraftTree(torch.tensor(tokens), torch.arange(-1, d), torch.zeros(d + 1))
-        q = process_logits(expander.expand(tree, [d])[0], params)  # [V] float32
+        q = process_logits(expander.expand(_chain(tokens, logprobs), [d])[0], params)  # [V]
         tok = int(q.argmax()) if params.greedy else int(
             torch.multinomial(q, 1, generator=generator))
         tokens.append(tok)
+        logprobs.append(float(q[tok].log()))
         qs.append(q)
-    return tokens[1:], torch.stack(qs)
+    return _chain(tokens, logprobs), torch.stack(qs)
 
 
 def verify_chain(draft_tokens: Sequence[int], draft_probs: Tensor, target_logits: Tensor,

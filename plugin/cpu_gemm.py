@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 from vllm.logger import init_logger
+from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+from vllm.platforms import current_platform
 
 logger = init_logger("vllm.treedraft")
 PACKED_DTYPES = (torch.bfloat16, torch.float16)
@@ -26,9 +28,6 @@ def _forward(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 def use_vllm_gemm(head: nn.Module) -> int:
     """Route the head's nn.Linear layers through vLLM's CPU GEMM dispatch; returns how many."""
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-    from vllm.platforms import current_platform
-
     if not current_platform.is_cpu():
         return 0
     n = 0

@@ -23,11 +23,14 @@ nothing is drafted (the head still reads the step's hidden states, so it keeps i
 from __future__ import annotations
 
 import torch
+from vllm.logger import init_logger
 
 from treedraft.heads.sampling import draft_chain
 from treedraft.heads.tree import DraftTree, draft_tree, parse_tree_spec
 
 from .config import KEY
+
+logger = init_logger("vllm.treedraft")
 
 
 def target_weights(model, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,17 +166,15 @@ class TreeDraftProposer:
             spec = self.spec_for(budget)
             params = None if self.tree_mode else self._sampled_params(runner, req_id)
             if params is not None:
-                tokens, probs[i] = draft_chain(sampled[-1], session, spec.max_nodes, params)
-                drafts.append(tokens)
+                chain, probs[i] = draft_chain(sampled[-1], session, spec.max_nodes, params)
+                drafts.append(chain.tokens[1:].tolist())
                 continue
             tree = draft_tree(sampled[-1], session, spec, self.rates, device=hidden_states.device)
             self.trees[req_id] = tree  # make_request keeps the scheduled prefix
             drafts.append(tree.tokens[1 : budget + 1].tolist())
         self.last_draft_probs = self._draft_probs(runner, drafts, probs) if probs else None
         if probs:
-            from vllm.logger import init_logger
-
-            init_logger("vllm.treedraft").info_once(
+            logger.info_once(
                 "treedraft: chains of sampling requests draw drafts from the head's q and pass "
                 "q to vLLM's rejection sampler as draft probabilities")
         return drafts

@@ -219,6 +219,16 @@ def test_verification_rule_is_exact_by_enumeration():
     assert buggy > 0.05  # the enumeration does catch a wrong rule
 
 
+def assert_counts_match(counts: torch.Tensor, want, n: int) -> None:
+    """n samples counted in `counts` [V, V] follow the joint distribution `want` [x1][x2]."""
+    expected = n * torch.tensor(want)
+    cells = expected >= 5
+    chi2 = float(((counts - expected)[cells] ** 2 / expected[cells]).sum())
+    df = int(cells.sum()) - 1
+    assert chi2 < df + 4 * math.sqrt(2 * df), (chi2, df)  # ~ p < 1e-4 under the null
+    assert tv((counts / n).tolist(), want) < 0.05  # sampling noise here is ~0.02
+
+
 def test_verify_tree_matches_the_rule_monte_carlo():
     # V = 6, root with 3 children, one of them with 2 children: 36 outcomes for (x1, x2).
     tokens = torch.tensor([5, 0, 1, 2, 3, 4, 4])
@@ -240,12 +250,7 @@ def test_verify_tree_matches_the_rule_monte_carlo():
         if len(committed) == 1:  # next step starts off the tree
             committed.append(int(torch.multinomial(off_t[bonus], 1, generator=g)))
         counts[committed[0], committed[1]] += 1
-    expected = n * torch.tensor(want)
-    cells = expected >= 5
-    chi2 = float(((counts - expected)[cells] ** 2 / expected[cells]).sum())
-    df = int(cells.sum()) - 1
-    assert chi2 < df + 4 * math.sqrt(2 * df), (chi2, df)  # ~ p < 1e-4 under the null
-    assert tv((counts / n).tolist(), want) < 0.05  # sampling noise here is ~0.02
+    assert_counts_match(counts, want, n)
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.9, top_k=5, top_p=0.95),
@@ -269,12 +274,7 @@ def test_verify_chain_with_draft_probs_is_exact_monte_carlo(params):
         if len(committed) == 1:  # the next step starts after the resampled token
             committed.append(int(torch.multinomial(off[nxt], 1, generator=g)))
         counts[committed[0], committed[1]] += 1
-    expected = n * torch.tensor(want)
-    cells = expected >= 5
-    chi2 = float(((counts - expected)[cells] ** 2 / expected[cells]).sum())
-    df = int(cells.sum()) - 1
-    assert chi2 < df + 4 * math.sqrt(2 * df), (chi2, df)  # ~ p < 1e-4 under the null
-    assert tv((counts / n).tolist(), want) < 0.05
+    assert_counts_match(counts, want, n)
 
 
 def test_verify_chain_greedy_and_shapes():
