@@ -1,21 +1,25 @@
 """`treedraft bench`: vLLM without speculation, vLLM ngram, our head as a chain (vLLM's own
-rejection sampler) and treedraft trees (static and dynamic), side by side in one invocation.
+rejection sampler) and treedraft trees, side by side in one invocation.
 
-    treedraft bench                                  # embedded default: SmolLM2 + shipped EAGLE head
-    treedraft bench --limit 2 --max-new-tokens 32 --batch-sizes 1,4 --temperatures 0   # quick look
-    treedraft bench --limit 80 --max-new-tokens 256                 # full MT-bench (hours on CPU)
+    treedraft bench                  # quick (~10 min on a 2-core AVX2 CPU): 4 MT-bench questions
+    treedraft bench --full           # full MT-bench: 80 first turns x 256 tokens, bs 1..32 (hours)
+    treedraft bench --limit 2 --max-new-tokens 32 --batch-sizes 1 --temperatures 0   # a look
     treedraft bench --stride 10 --limit 8 --batch-sizes 1 --config no-spec --config chain=1
-                                                     # one question per MT-bench category
     treedraft bench --target HF_FOLDER --head HEAD_DIR --config 'tree=dynamic:16,4,4'
 
 Each configuration runs in its own engine process (scripts/engine.py) over MT-bench first turns,
 for every batch size (requests submitted in waves of that many, prompts cycled to fill a wave)
-and temperature. Writes OUT/bench.json (tokens/s, TPOT, mean acceptance length, per-depth
-acceptance, speedup vs no-spec per row), OUT/bench.md (the table) and two PNG plots (speedup vs
-batch size; acceptance per depth). TPOT here is wave wall time / the wave's longest output,
-i.e. the time per output token a stream of that wave saw. Engines run as `vllm serve` would by
-default (dtype auto, i.e. bfloat16 on a CPU that has it; torch.compile on); `--dtype float32
---enforce-eager` is what the exactness tests use.
+and temperature; a progress bar per configuration shows which one runs, tokens so far and an
+estimate of what is left of the whole run. Writes OUT/bench.json (tokens/s, TPOT, mean
+acceptance length, per-depth acceptance, speedup vs no-spec per row, the machine), OUT/bench.md
+(the table) and two PNG plots (speedup vs batch size; acceptance per depth); prints the table
+and the best speedup last. TPOT here is wave wall time / the wave's longest output, i.e. the
+time per output token a stream of that wave saw.
+
+dtype: `auto` (default) is this machine's choice (training/machine.py): bfloat16 where the CPU
+has AMX/AVX512-BF16, float32 on AVX2-only CPUs, where vLLM's bf16 runs several times slower;
+`--dtype` overrides it. The quick preset runs engines eager (each compiled engine takes minutes
+to start on a 2-core CPU); `--full` compiles, as `vllm serve` does by default.
 """
 
 from __future__ import annotations
@@ -24,13 +28,19 @@ import json
 import time
 from pathlib import Path
 
-DEFAULT_CONFIGS = (  # small trees: on a CPU every verified token costs compute
-    "no-spec",
-    "ngram=4",
-    "chain=3",
-    "tree=static:10",
-    "tree=dynamic:10,3,3",
-)
+# Presets: the quick default (the README's main job) and the full MT-bench run. Every explicit
+# argument of `bench` / `treedraft bench` overrides its preset value.
+PRESETS = {
+    "quick": {"limit": 4, "stride": 20, "max_new_tokens": 64, "batch_sizes": (1, 8),
+              "temperatures": (0.0, 1.0), "enforce_eager": True,
+              "configs": ("no-spec", "ngram=3", "chain=2", "tree=dynamic:10,3,3")},
+    "full": {"limit": 80, "stride": 1, "max_new_tokens": 256, "batch_sizes": (1, 4, 16, 32),
+             "temperatures": (0.0, 1.0), "enforce_eager": False,
+             # small trees: on a CPU every verified token costs compute
+             "configs": ("no-spec", "ngram=4", "chain=3", "tree=static:10",
+                         "tree=dynamic:10,3,3")},
+}
+DEFAULT_CONFIGS = PRESETS["quick"]["configs"]
 
 
 def speculative_config(config: str, head: str) -> dict | None:
@@ -140,46 +150,125 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
     return [speed, acc]
 
 
+class Progress:
+    """One tqdm bar per configuration (tokens generated of those planned), with the engine's
+    state and an estimate of what is left of the whole run."""
+
+    def __init__(self, configs: tuple[str, ...], jobs: list[dict]) -> None:
+        self.configs = configs
+        self.planned = sum(len(j["prompts"]) * j["params"]["max_tokens"] for j in jobs)
+        self.finished: list[float] = []  # wall seconds of finished configurations
+
+    def _left(self, i: int, elapsed: float, tokens: int, gen_seconds: float) -> str:
+        rest = len(self.configs) - i - 1
+        if self.finished:
+            per_config = sum(self.finished) / len(self.finished)
+        elif tokens:  # first configuration: extrapolate from its own rate
+            per_config = elapsed + gen_seconds * (self.planned - tokens) / tokens
+        else:
+            return "estimating"
+        here = max(per_config - elapsed, gen_seconds * (self.planned - tokens) / max(tokens, 1))
+        return f"~{(here + rest * per_config) / 60:.1f} min left in all"
+
+    def run(self, i: int, config: str, fn):
+        """fn(callback) runs the engine; the callback gets its progress events."""
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=self.planned, desc=f"[{i + 1}/{len(self.configs)}] {config}",
+                   unit="tok", dynamic_ncols=True, mininterval=1.0)
+        bar.set_postfix_str("starting engine")
+        t0, ready = time.perf_counter(), [None]
+
+        def on_event(ev: dict) -> None:
+            now = time.perf_counter() - t0
+            if "ready" in ev:
+                ready[0] = now
+                bar.set_postfix_str(f"engine up in {ev['ready']:.0f} s")
+                return
+            bar.update(ev["tokens"])
+            left = self._left(i, now, bar.n, now - (ready[0] or now))
+            bar.set_postfix_str(f"{ev['job']}, {left}")
+
+        try:
+            return fn(on_event)
+        finally:
+            self.finished.append(time.perf_counter() - t0)
+            bar.close()
+
+
+def best_speedup(rows: list[dict], baseline: str) -> str:
+    """One line: the fastest configuration against the baseline, per temperature."""
+    parts = []
+    for t in sorted({r["temperature"] for r in rows}):
+        cands = [r for r in rows if r["temperature"] == t and r["config"] != baseline]
+        if not cands:
+            continue
+        b = max(cands, key=lambda r: r["speedup"])
+        parts.append(f"T={t:g}: {b['config']} {b['speedup']:.2f}x at batch {b['batch_size']}")
+    return f"best speedup vs {baseline}: " + "; ".join(parts) if parts else "no speedup measured"
+
+
 def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
-          prompts: str = "mtbench", limit: int = 4, max_new_tokens: int = 64,
-          batch_sizes=(1, 4, 16, 32), temperatures=(0.0, 1.0), configs=DEFAULT_CONFIGS,
+          prompts: str = "mtbench", limit: int | None = None, max_new_tokens: int | None = None,
+          batch_sizes=None, temperatures=None, configs=None,
           out: str | Path = "runs/bench", dtype: str = "auto",
-          enforce_eager: bool = False, stride: int = 1) -> list[dict]:
+          enforce_eager: bool | None = None, stride: int | None = None,
+          preset: str = "quick") -> list[dict]:
     from transformers import AutoTokenizer
 
     from treedraft.training.data import first_turn, load_prompts
     from treedraft.training.heads_zoo import resolve_head
+    from treedraft.training.machine import describe, resolve_dtype
     from treedraft.training.models import resolve_model
     from treedraft.training.target import encode_chat
 
     from .engine import run_engine
 
+    given = {"limit": limit, "max_new_tokens": max_new_tokens, "batch_sizes": batch_sizes,
+             "temperatures": temperatures, "configs": configs, "enforce_eager": enforce_eager,
+             "stride": stride}
+    if preset not in PRESETS:
+        raise ValueError(f"bench preset {preset!r}; valid: {', '.join(PRESETS)}")
+    o = {k: v if v is not None else PRESETS[preset][k] for k, v in given.items()}
+    configs = tuple(o["configs"])
+    vllm_dtype = resolve_dtype(dtype)
+    machine = describe()
     specs = {c: speculative_config(c, str(resolve_head(head))) for c in configs}  # fail early
     target_dir = str(resolve_model(target))
     tok = AutoTokenizer.from_pretrained(target_dir)
-    ids = [encode_chat(tok, first_turn(m)) for m in load_prompts(prompts, limit=limit, stride=stride)["messages"]]
-    jobs = _jobs(ids, batch_sizes, temperatures, max_new_tokens)
+    rows_in = load_prompts(prompts, limit=o["limit"], stride=o["stride"])["messages"]
+    ids = [encode_chat(tok, first_turn(m)) for m in rows_in]
+    jobs = _jobs(ids, o["batch_sizes"], o["temperatures"], o["max_new_tokens"])
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    print(f"[bench] {machine}\n[bench] vLLM dtype {vllm_dtype} (--dtype {dtype}), "
+          f"{'eager' if o['enforce_eager'] else 'torch.compile'}; {len(ids)} {prompts} prompts x "
+          f"{o['max_new_tokens']} tokens, batch sizes {list(o['batch_sizes'])}, T "
+          f"{list(o['temperatures'])}; {len(configs)} configurations: {', '.join(configs)}",
+          flush=True)
+    progress = Progress(configs, jobs)
+    llm = {"max_num_seqs": max(o["batch_sizes"]), "dtype": vllm_dtype,
+           "enforce_eager": o["enforce_eager"]}
     rows = []
-    for c in configs:
-        t = time.perf_counter()
-        llm = {"max_num_seqs": max(batch_sizes), "dtype": dtype, "enforce_eager": enforce_eager}
-        results, _ = run_engine(target_dir, specs[c], jobs, llm=llm, timeout=7200)
+    for i, c in enumerate(configs):
+        results, _ = progress.run(i, c, lambda cb, c=c: run_engine(
+            target_dir, specs[c], jobs, llm=llm, timeout=7200, progress=cb))
         rows += [_row(c, j, results[j["name"]]) for j in jobs]
-        print(f"{c}: done in {time.perf_counter() - t:.0f} s", flush=True)
     base = {(r["batch_size"], r["temperature"]): r["tokens_per_s"] for r in rows
             if r["config"] == configs[0]}
     for r in rows:
         r["speedup"] = r["tokens_per_s"] / base[(r["batch_size"], r["temperature"])]
-    meta = {"target": target, "head": head, "prompts": prompts, "limit": limit,
-            "stride": stride, "max_new_tokens": max_new_tokens, "baseline": configs[0], "dtype": dtype,
-            "enforce_eager": enforce_eager}
+    meta = {"target": target, "head": head, "prompts": prompts, "limit": o["limit"],
+            "stride": o["stride"], "max_new_tokens": o["max_new_tokens"], "baseline": configs[0],
+            "dtype": vllm_dtype, "dtype_requested": dtype, "enforce_eager": o["enforce_eager"],
+            "machine": machine, "seconds": sum(progress.finished)}
     (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     table = markdown(rows)
     (out / "bench.md").write_text(table)
-    print(table)
     for p in plots(rows, out):
         print(f"wrote {p}")
-    print(f"wrote {out / 'bench.json'} and {out / 'bench.md'}")
+    print(f"wrote {out / 'bench.json'} and {out / 'bench.md'} "
+          f"({sum(progress.finished) / 60:.1f} min; {machine})\n")
+    print(table)
+    print(best_speedup(rows, configs[0]))
     return rows

@@ -64,6 +64,7 @@ def main() -> None:
     from treedraft.training.config import load_config
     from treedraft.training.generate import build_sequences
     from treedraft.training.loop import load_rows
+    from treedraft.training.machine import describe
     from treedraft.training.target import load_target
 
     if a.threads:
@@ -74,6 +75,7 @@ def main() -> None:
     loaded = load_target(cfg.target)
     rows, _ = load_rows(cfg)
     seqs = build_sequences(loaded, rows, cfg, None)
+    print(describe())
     print(f"{cfg.head_type}: threads={torch.get_num_threads()} batch={cfg.batch_size}x<="
           f"{cfg.max_seq_len} unroll={cfg.unroll_steps} compile={cfg.compile} head={cfg.head}")
     for dv in a.draft_vocab:

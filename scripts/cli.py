@@ -121,7 +121,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 
 def _bench_args(p: argparse.ArgumentParser) -> None:
-    from treedraft.scripts.bench import DEFAULT_CONFIGS
+    from treedraft.scripts.bench import PRESETS
 
     def ints(s: str) -> tuple[int, ...]:
         return tuple(int(x) for x in s.split(","))
@@ -129,31 +129,48 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     def floats(s: str) -> tuple[float, ...]:
         return tuple(float(x) for x in s.split(","))
 
+    q, f = PRESETS["quick"], PRESETS["full"]
+    p.add_argument("--full", action="store_true",
+                   help=f"the full benchmark: {f['limit']} prompts x {f['max_new_tokens']} tokens, "
+                        f"batch sizes {','.join(map(str, f['batch_sizes']))}, torch.compile, "
+                        f"configs {' '.join(f['configs'])} (hours on a CPU)")
     p.add_argument("--target", default="smollm2-135m", help="short name, HF folder or hub id")
     p.add_argument("--head", default="smollm2-135m-eagle", help="head folder or shipped name")
     p.add_argument("--prompts", default="mtbench")
-    p.add_argument("--limit", type=int, default=4, help="first N prompts (first turns)")
-    p.add_argument("--stride", type=int, default=1,
-                   help="every N-th prompt, before --limit (mtbench --stride 10: one per category)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--batch-sizes", type=ints, default=(1, 4, 16, 32))
-    p.add_argument("--temperatures", type=floats, default=(0.0, 1.0))
+    p.add_argument("--limit", type=int, default=None,
+                   help=f"first N prompts (first turns; default {q['limit']}, --full {f['limit']})")
+    p.add_argument("--stride", type=int, default=None,
+                   help="every N-th prompt, before --limit (mtbench --stride 10: one per "
+                        f"category; default {q['stride']}, --full {f['stride']})")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"default {q['max_new_tokens']}, --full {f['max_new_tokens']}")
+    p.add_argument("--batch-sizes", type=ints, default=None,
+                   help=f"default {','.join(map(str, q['batch_sizes']))}")
+    p.add_argument("--temperatures", type=floats, default=None,
+                   help=f"default {','.join(f'{t:g}' for t in q['temperatures'])}")
     p.add_argument("--config", action="append", default=None,
-                   help=f"repeatable: no-spec | ngram=K | chain=K | tree=SPEC; the first is the "
-                        f"speedup baseline (default: {' '.join(DEFAULT_CONFIGS)})")
+                   help=f"repeatable: no-spec | ngram=K | chain=K | tree=SPEC | spec=JSON; the "
+                        f"first is the speedup baseline (default: {' '.join(q['configs'])})")
     p.add_argument("--out", default="runs/bench", help="folder for bench.json, bench.md, PNGs")
-    p.add_argument("--dtype", default="auto", help="vLLM dtype (auto: bfloat16 where supported)")
-    p.add_argument("--enforce-eager", action="store_true", help="no torch.compile (starts faster)")
+    p.add_argument("--dtype", default="auto",
+                   help="vLLM dtype; auto: bfloat16 where the CPU has AMX/AVX512-BF16, "
+                        "float32 on AVX2-only CPUs (bf16 is several times slower there)")
+    eager = p.add_mutually_exclusive_group()
+    eager.add_argument("--enforce-eager", dest="enforce_eager", action="store_true", default=None,
+                       help="no torch.compile (the quick default; engines start in ~1 min)")
+    eager.add_argument("--compile", dest="enforce_eager", action="store_false",
+                       help="torch.compile as `vllm serve` does (the --full default)")
 
 
 @command("bench", _bench_args)
 def cmd_bench(args: argparse.Namespace) -> None:
     """Throughput and acceptance of no-spec, ngram, chain and tree speculation in vLLM."""
-    from treedraft.scripts.bench import DEFAULT_CONFIGS, bench
+    from treedraft.scripts.bench import bench
 
     bench(args.target, args.head, args.prompts, args.limit, args.max_new_tokens,
-          args.batch_sizes, args.temperatures, tuple(args.config or DEFAULT_CONFIGS), args.out,
-          dtype=args.dtype, enforce_eager=args.enforce_eager, stride=args.stride)
+          args.batch_sizes, args.temperatures, tuple(args.config) if args.config else None,
+          args.out, dtype=args.dtype, enforce_eager=args.enforce_eager, stride=args.stride,
+          preset="full" if args.full else "quick")
 
 
 def _train_args(p: argparse.ArgumentParser) -> None:

@@ -8,7 +8,9 @@ own `python -m treedraft.scripts.engine REQUEST.json` process. A request names t
      "batch_size": int | None}    # None: all prompts at once; else waves of batch_size
 
 The child prints one line ``TREEDRAFT_RESULT {...}``: per job the generated token ids, the
-wall time of each wave and the change of vLLM's spec-decode counters during the job.
+wall time of each wave and the change of vLLM's spec-decode counters during the job. While it
+runs it prints ``TREEDRAFT_PROGRESS {...}`` lines (engine ready; after each wave: job, tokens),
+which `run_engine` hands to its `progress` callback as they arrive.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens")
@@ -33,23 +37,47 @@ def engine_env() -> dict[str, str]:
     return env
 
 
+RESULT, PROGRESS = "TREEDRAFT_RESULT ", "TREEDRAFT_PROGRESS "
+
+
 def run_engine(target: str, speculative_config: dict | None, jobs: list[dict], *,
-               llm: dict | None = None, timeout: int = 1200) -> tuple[dict, str]:
-    """Run `jobs` on a fresh engine; returns (results by job name, the child's log)."""
+               llm: dict | None = None, timeout: int = 1200,
+               progress: Callable[[dict], None] | None = None) -> tuple[dict, str]:
+    """Run `jobs` on a fresh engine; returns (results by job name, the child's log).
+
+    progress: called in this thread's caller with each event the child reports, as it comes:
+    {"ready": seconds to start the engine} once, then {"job": name, "tokens": n} per wave."""
     request = {"target": str(target), "speculative_config": speculative_config,
                "llm": llm or {}, "jobs": jobs}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(request, f)
+    lines: list[str] = []
     try:
-        proc = subprocess.run([sys.executable, "-m", "treedraft.scripts.engine", f.name],
-                              capture_output=True, text=True, timeout=timeout, env=engine_env())
+        proc = subprocess.Popen([sys.executable, "-m", "treedraft.scripts.engine", f.name],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=engine_env())
+        timer = threading.Timer(timeout, proc.kill)  # a hung engine must not hang the caller
+        timer.start()
+        try:
+            for line in proc.stdout:
+                lines.append(line)
+                if progress is not None and line.startswith(PROGRESS):
+                    progress(json.loads(line[len(PROGRESS):]))
+            proc.wait()
+        finally:
+            timer.cancel()
     finally:
         os.unlink(f.name)
-    log = proc.stdout + proc.stderr
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("TREEDRAFT_RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"vLLM engine run failed (exit {proc.returncode}):\n{log[-6000:]}")
-    return json.loads(lines[-1].split(" ", 1)[1]), log
+    log = "".join(lines)
+    results = [ln for ln in lines if ln.startswith(RESULT)]
+    if proc.returncode != 0 or not results:
+        why = f"killed after {timeout} s" if proc.returncode == -9 else f"exit {proc.returncode}"
+        raise RuntimeError(f"vLLM engine run failed ({why}):\n{log[-6000:]}")
+    return json.loads(results[-1][len(RESULT):]), log
+
+
+def _report(event: dict) -> None:
+    print(PROGRESS + json.dumps(event), flush=True)
 
 
 def spec_counters(llm) -> dict:
@@ -88,7 +116,9 @@ def _run_job(llm, job: dict) -> dict:
         t = time.perf_counter()
         outs = llm.generate(prompts[i : i + bs], params, use_tqdm=False)
         waves.append(time.perf_counter() - t)
-        tokens += [list(c.token_ids) for o in outs for c in o.outputs]
+        new = [list(c.token_ids) for o in outs for c in o.outputs]
+        tokens += new
+        _report({"job": job["name"], "tokens": sum(map(len, new))})
     return {"tokens": tokens, "wave_seconds": waves,
             "spec": counter_delta(before, spec_counters(llm))}
 
@@ -100,9 +130,11 @@ def _main(path: str) -> None:
         req = json.load(f)
     kwargs = {"enforce_eager": True, "max_model_len": 2048, "dtype": "float32", "seed": 0,
               "disable_log_stats": False, **req["llm"]}
+    t = time.perf_counter()
     llm = LLM(req["target"], speculative_config=req["speculative_config"], **kwargs)
+    _report({"ready": time.perf_counter() - t})
     results = {job["name"]: _run_job(llm, job) for job in req["jobs"]}
-    print("TREEDRAFT_RESULT " + json.dumps(results), flush=True)
+    print(RESULT + json.dumps(results), flush=True)
 
 
 if __name__ == "__main__":

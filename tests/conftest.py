@@ -25,6 +25,13 @@ def torch_threads():
     torch.set_num_threads(os.cpu_count() or 1)
 
 
+def pytest_report_header(config):
+    """Every test log names the machine that judged it (AMX and AVX2-only CPUs differ)."""
+    from treedraft.training.machine import describe
+
+    return f"treedraft machine: {describe()}"
+
+
 def pytest_configure(config):
     # tests/vllm_run.py is imported by name from the tests
     import sys

@@ -100,3 +100,24 @@ def test_bench_configs_rows_and_table():
     assert row["acceptance_per_depth"] == [1.0, 0.0, 0.0] and row["mean_tree_size"] == 3
     row["speedup"] = 1.5
     assert "| chain=3 | 0 | 2 | 10.0 | 166.7 | 1.50x | 2.00 | 3.0 |" in markdown([row])
+
+
+def test_bench_progress_estimate_and_closing_line():
+    from treedraft.scripts.bench import PRESETS, Progress, best_speedup
+
+    jobs = [{"prompts": [[1]] * 4, "params": {"max_tokens": 64}},
+            {"prompts": [[1]] * 8, "params": {"max_tokens": 64}}]
+    p = Progress(("no-spec", "chain=2", "tree=x"), jobs)
+    assert p.planned == 12 * 64
+    assert p._left(0, 30.0, 0, 0.0) == "estimating"
+    # first config: 30 s in, 20 of them generating 384 of 768 tokens -> 20 s more, 50 s each
+    assert p._left(0, 30.0, 384, 20.0) == f"~{(20 + 2 * 50) / 60:.1f} min left in all"
+    p.finished = [60.0]  # later configs use the finished ones' mean
+    assert p._left(1, 15.0, 0, 0.0) == f"~{(45 + 60) / 60:.1f} min left in all"
+    rows = [{"config": c, "temperature": t, "batch_size": b, "speedup": s} for c, t, b, s in [
+        ("no-spec", 0, 1, 1.0), ("chain=2", 0, 1, 1.2), ("chain=2", 0, 8, 0.9),
+        ("tree=x", 0, 1, 1.1), ("no-spec", 1, 1, 1.0), ("chain=2", 1, 1, 0.8)]]
+    assert best_speedup(rows, "no-spec") == (
+        "best speedup vs no-spec: T=0: chain=2 1.20x at batch 1; T=1: chain=2 0.80x at batch 1")
+    assert PRESETS["quick"]["enforce_eager"] and not PRESETS["full"]["enforce_eager"]
+    assert PRESETS["full"]["limit"] == 80 and PRESETS["full"]["max_new_tokens"] == 256

@@ -26,8 +26,16 @@ pytestmark = pytest.mark.vllm
 EXPAND = "vllm.utils.cpu_triton_utils:_expand_kernel_impl"
 
 
+def _load_vllm_ops() -> None:
+    """vLLM's C++ ops as vLLM loads them: the build for this CPU (_C, _C_AVX512 or _C_AVX2).
+    Importing `vllm._C` by name loads the AVX-512/AMX build and dies with SIGILL on AVX2."""
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()
+
+
 def _stock_expand():
-    import vllm._C  # noqa: F401  (loads the C++ ops)
+    _load_vllm_ops()
     from vllm.utils import cpu_triton_utils
 
     from treedraft.plugin import patching
@@ -65,13 +73,21 @@ def test_vllm_expand_batch_to_tokens_uses_the_fix():
 
 
 # ----------------------------------------------------------------------------- tree attention
-def test_head_linears_run_on_vllms_cpu_gemm():
-    import vllm._C  # noqa: F401  (loads the C++ ops)
+@pytest.mark.parametrize("fast_bf16", [True, False], ids=["amx-cpu", "avx2-cpu"])
+def test_head_linears_run_on_vllms_cpu_gemm(fast_bf16):
+    """Both branches on any machine: a CPU with bf16 in hardware routes the head's bf16 linears
+    through vLLM's dispatch (on an AVX2 machine vLLM itself falls back to F.linear inside it),
+    one without keeps torch's kernels; the drafts are the same either way."""
+    _load_vllm_ops()
 
     from treedraft.heads.common import TargetSignature
     from treedraft.heads.eagle import EagleConfig, EagleHead
     from treedraft.heads.tree import draft_tree, parse_tree_spec
     from treedraft.plugin.cpu_gemm import use_vllm_gemm
+    from treedraft.training.machine import CpuInfo
+
+    flags = {"avx2", "avx512_f", "amx_bf16"} if fast_bf16 else {"avx2"}
+    machine = CpuInfo("test CPU", frozenset(flags))
 
     H, V = 128, 512
     sig = TargetSignature("LlamaForCausalLM", H, V, 4, "abc")
@@ -87,14 +103,17 @@ def test_head_linears_run_on_vllms_cpu_gemm():
     fp32 = EagleHead(cfg).eval()
     fp32.load_state_dict(plain.state_dict())
     fp32.bind_target(embed, lm)
-    assert use_vllm_gemm(fp32) == 0  # float32 keeps torch's kernels
+    assert use_vllm_gemm(fp32, machine) == 0  # float32 keeps torch's kernels
     plain = plain.to(torch.bfloat16)
     plain.bind_target(embed.bfloat16(), lm.bfloat16())
     fast = EagleHead(cfg).to(torch.bfloat16).eval()
     fast.load_state_dict(plain.state_dict())
     fast.bind_target(embed.bfloat16(), lm.bfloat16())
     linears = sum(isinstance(m, torch.nn.Linear) for m in fast.modules())
-    assert use_vllm_gemm(fast) == linears == 10  # fuse, combine, q/k/v/o, gate/up/down, lm_head
+    assert linears == 10  # fuse, combine, q/k/v/o, gate/up/down, lm_head
+    assert use_vllm_gemm(fast, machine) == (linears if fast_bf16 else 0)
+    assert all(hasattr(m, "cpu_linear") == fast_bf16 for m in fast.modules()
+               if isinstance(m, torch.nn.Linear))
 
     hidden = torch.randn(6, 2 * H, dtype=torch.bfloat16)
     tokens = torch.randint(0, V, (6,))

@@ -82,10 +82,12 @@ class Runs(dict):
     def __init__(self, configs: dict):
         super().__init__()
         self.configs = configs
+        self.events: dict[str, list[dict]] = {}  # name -> the engine's progress events
 
     def __missing__(self, name: str):
         target, spec, jobs, llm = self.configs[name]
-        self[name] = run_engine(target, spec, jobs, llm=llm)
+        events = self.events[name] = []
+        self[name] = run_engine(target, spec, jobs, llm=llm, progress=events.append)
         return self[name]
 
 
@@ -106,6 +108,18 @@ def runs(target, prompts, tokenizer):
                      [*jobs[:2], {"name": "wide", "prompts": prompts, "params": {
                          "temperature": 0, "max_tokens": 16, "ignore_eos": True}}], None),
     })
+
+
+def test_engine_reports_progress_as_it_runs(runs):
+    """`treedraft bench` shows progress from these events: engine ready, then every wave."""
+    results, _ = runs["base"]
+    events = runs.events["base"]
+    assert "ready" in events[0] and events[0]["ready"] > 0
+    waves = events[1:]
+    assert [e["job"] for e in waves] == ["greedy", "parity", "parity", "parity", "topp", "topk"]
+    for name in ("greedy", "parity"):
+        got = sum(e["tokens"] for e in waves if e["job"] == name)
+        assert got == sum(map(len, results[name]["tokens"])) > 0
 
 
 def _top2_gap(model, ids: list[int]) -> float:

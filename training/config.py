@@ -27,6 +27,7 @@ from typing import Any
 HEAD_TYPES = ("eagle", "medusa")
 GEN_ENGINES = ("transformers", "vllm")
 DTYPES = ("float32", "bfloat16")
+COMPUTE_DTYPES = ("auto", *DTYPES)  # auto: from the machine (training/machine.py)
 LONG_PROMPTS = ("error", "skip")
 CONFIG_FILE = "train_config.json"
 
@@ -65,8 +66,9 @@ class TrainConfig:
     step_weights: list[float] | None = None  # weight of unroll step / Medusa head k; None -> decay**k
     step_weight_decay: float = 0.8
     feature_loss_weight: float = 0.0  # EAGLE-1 smooth-L1 regression to the target's feature
-    dtype: str = "float32"  # autocast of target + head forward (and the generation copy):
-    #   float32 | bfloat16 (~2x on CPUs with AMX/AVX512-bf16; soft labels stay float32)
+    dtype: str = "auto"  # autocast of target + head forward (and the generation copy):
+    #   auto | float32 | bfloat16. bf16 is ~2x on CPUs with AMX/AVX512-bf16 and ~3.5x SLOWER
+    #   on AVX2-only CPUs; auto picks bf16 only where it is fast (soft labels stay float32)
     num_threads: int | None = None  # torch intra-op threads; None = torch's default. On a
     #   shared CPU, fewer threads than cores avoids OpenMP oversubscription (10x slowdowns)
     compile: bool = False  # torch.compile target forward, head forward and KL: ~5 min of
@@ -97,7 +99,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the bad key and its valid values."""
-        choices = {"head_type": HEAD_TYPES, "gen_engine": GEN_ENGINES, "dtype": DTYPES,
+        choices = {"head_type": HEAD_TYPES, "gen_engine": GEN_ENGINES, "dtype": COMPUTE_DTYPES,
                    "cache_dtype": DTYPES, "long_prompts": LONG_PROMPTS}
         for key, valid in choices.items():
             if getattr(self, key) not in valid:
@@ -116,6 +118,12 @@ class TrainConfig:
             raise ValueError(f"eval_prompts={self.eval_prompts} must be >= 0")
         if self.data == "mtbench":
             raise ValueError("data=mtbench: MT-bench is the evaluation set, never train on it")
+
+    def compute_dtype(self, device: Any = "cpu") -> str:
+        """`dtype` with 'auto' resolved for this machine ('bfloat16' or 'float32')."""
+        from .machine import resolve_dtype
+
+        return resolve_dtype(self.dtype, device)
 
     def loss_weights(self, n: int, what: str) -> list[float]:
         """Weight of each of the n loss terms (EAGLE unroll steps / Medusa heads)."""

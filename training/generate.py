@@ -108,7 +108,7 @@ def _cache_path(loaded, cfg: TrainConfig, data_dir: Path) -> tuple[Path, dict]:
     meta = {"target": loaded.path, "signature": target_signature(loaded.model, loaded.tokenizer)
             .to_dict(), "engine": cfg.gen_engine, "temperature": cfg.gen_temperature,
             "max_new_tokens": cfg.gen_max_new_tokens, "seed": cfg.seed,
-            "dtype": cfg.dtype if cfg.gen_engine == "transformers" else "engine"}
+            "dtype": cfg.compute_dtype(loaded.model.device) if cfg.gen_engine == "transformers" else "engine"}
     digest = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:12]
     return data_dir / f"gen-{digest}.jsonl", meta
 
@@ -173,7 +173,7 @@ def transformers_engine(loaded, cfg: TrainConfig):
     from transformers import GenerationConfig
 
     model, tok = loaded.model, loaded.tokenizer
-    if cfg.dtype == "bfloat16":
+    if cfg.compute_dtype(model.device) == "bfloat16":
         model = copy.deepcopy(model).to(torch.bfloat16)
     eos = tok.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos

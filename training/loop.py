@@ -148,6 +148,7 @@ def train(cfg: TrainConfig, resume: str | os.PathLike | None = None) -> Path | N
     """Train a head as configured; returns out_dir/final (None on DDP ranks > 0)."""
     from tqdm.auto import tqdm
 
+    from .machine import describe
     from .target import init_head, load_target
 
     cfg.validate()
@@ -172,7 +173,10 @@ def train(cfg: TrainConfig, resume: str | os.PathLike | None = None) -> Path | N
     vd = getattr(head.config, "draft_vocab_size", None)
     if vd is not None and not cfg.init_from:
         head.set_draft_vocab(choose_draft_vocab(train_seqs, head.config.target.vocab_size, vd))
-    autocast = torch.bfloat16 if cfg.dtype == "bfloat16" else None
+    dtype = cfg.compute_dtype(d.device)
+    if d.main:
+        print(f"[treedraft] training in {dtype} (dtype={cfg.dtype}; {describe()})", flush=True)
+    autocast = torch.bfloat16 if dtype == "bfloat16" else None
     batch_fn = make_batches(cfg, loaded.model, head, train_seqs, out, autocast)
     measure_seqs = eval_seqs or train_seqs[: cfg.batch_size]
     measure_fn = make_batches(cfg, loaded.model, head, measure_seqs, None, autocast)
