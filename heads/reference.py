@@ -22,8 +22,9 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from .lookup import LookupIndex, accepted_by_source, draft_hybrid
 from .sampling import SamplingParams, draft_chain, sample, verify_chain, verify_tree
-from .tree import TreeSpec, draft_tree
+from .tree import TreeSpec
 
 GREEDY = SamplingParams()
 
@@ -50,6 +51,8 @@ class DecodeResult:
     tokens: list[int]  # generated tokens (prompt excluded), at most max_new_tokens
     accepted: list[int] = field(default_factory=list)  # accepted draft tokens per verify step
     tree_sizes: list[int] = field(default_factory=list)  # draft nodes per verify step (root excluded)
+    # accepted draft tokens by the source that proposed them (hybrid trees): head/lookup/both
+    by_source: dict[str, int] = field(default_factory=lambda: accepted_by_source([], []))
 
     @property
     def num_verify_steps(self) -> int:
@@ -101,7 +104,7 @@ def plain_generate(
 
 def speculative_generate(
     target: Target,
-    head,  # a treedraft head: has draft_session() -> (commit, expand)
+    head,  # a treedraft head: has draft_session() -> (commit, expand); None for 'lookup:N' 
     prompt: list[int],
     max_new_tokens: int,
     spec: TreeSpec,
@@ -114,20 +117,29 @@ def speculative_generate(
 
     Chains at T > 0 draw each draft from the head's distribution q (under the request's
     temperature/top-k/top-p) and verify with speculative sampling against q, as the vLLM plugin
-    does; trees (and greedy chains) draft the top-ranked tokens and use `verify_tree`.
+    does; trees (and greedy chains) draft the top-ranked tokens and use `verify_tree`. A spec
+    with lookup nodes ('+lookup:N', or 'lookup:N' with head=None) grafts prompt-lookup branches
+    over prompt + output so far into the tree (heads/lookup.py).
     """
+    if spec.has_head == (head is None):
+        raise ValueError(f"tree {spec.to_string()!r} " + (
+            "needs a draft head" if head is None else "drafts without a head: pass head=None"))
     sampled_chain = spec.is_chain and not params.greedy
     logits, hidden = _prefill(target, prompt)
     root = sample(logits[-1], params, generator)  # first generated token = root of the first tree
-    session = head.draft_session()
-    # pairs (f_t, x_{t+1}) for t = 0..n-1; the last pair ends with the root
-    session.commit(hidden, torch.tensor(prompt[1:] + [root]))
+    session = head.draft_session() if head is not None else None
+    if session is not None:  # pairs (f_t, x_{t+1}) for t = 0..n-1; the last ends with the root
+        session.commit(hidden, torch.tensor(prompt[1:] + [root]))
+    index = LookupIndex()
+    index.extend(prompt + [root])
     result = DecodeResult([root])
     while not _done(result.tokens, max_new_tokens, eos):
+        sources = None
         if sampled_chain:  # drafts drawn from q, speculative sampling with q (as vLLM does)
             tree, q = draft_chain(root, session, spec.max_nodes, params, generator)
         else:
-            tree = draft_tree(root, session, spec, acceptance_rates)
+            hybrid = draft_hybrid(root, session, spec, index, acceptance_rates)
+            tree, sources = hybrid.tree, hybrid.sources
         buf = tree.buffers()
         start = target.length  # the root's position: it is not in the cache yet
         logits, hidden = target.forward(tree.tokens, start + buf.depths, buf.ancestor_mask)
@@ -139,7 +151,12 @@ def speculative_generate(
         path = torch.tensor([0, *accepted])  # node ids of root + accepted nodes, in order
         target.keep(start, path)  # accepted KV -> contiguous slots after the prefix
         new = tree.tokens[path[1:]].tolist() + [root]
-        session.commit(hidden[path], torch.tensor(new))
+        if session is not None:
+            session.commit(hidden[path], torch.tensor(new))
+        index.extend(new)
+        if sources is not None:
+            for k, v in accepted_by_source(sources, accepted).items():
+                result.by_source[k] += v
         result.tokens += new
         result.accepted.append(len(accepted))
         result.tree_sizes.append(tree.tokens.numel() - 1)

@@ -11,6 +11,8 @@ Features:
   per-rank acceptance rates (Medusa's recipe); `expected_acceptance_length` scores any tree.
 - `draft_tree`: drafts a token tree with any `Expander` (a draft head session), one batched
   expand call per tree level, never expanding leaves.
+- Hybrid specs: any head spec + "+lookup:N" grafts up to N prompt-lookup nodes into the head's
+  tree; "lookup:N" is lookup alone, no head (heads/lookup.py drafts and merges).
 
 Conventions: a tree with N drafted nodes has N+1 nodes; node 0 is the root (the last committed
 token). Nodes are in topological order (parents[i] < i) and siblings appear in draft order
@@ -19,6 +21,7 @@ token). Nodes are in topological order (parents[i] < i) and siblings appear in d
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import heapq
 import json
@@ -47,7 +50,9 @@ _PATHS_HELP = "a tree is a list of paths of child ranks from the root, e.g. [[0]
 SPEC_FORMS = (
     f"'chain:K' (1 <= K <= {MAX_TREE_DEPTH}), a JSON list of paths such as '[[0],[1],[0,0]]', "
     f"'static:NODES' (1 <= NODES <= {MAX_TREE_NODES}), 'dynamic:NODES,DEPTH[,TOPK]' "
-    f"(DEPTH <= {MAX_TREE_DEPTH}, TOPK default {DEFAULT_TOPK})"
+    f"(DEPTH <= {MAX_TREE_DEPTH}, TOPK default {DEFAULT_TOPK}), each optionally followed by "
+    f"'+lookup:N' (N prompt-lookup nodes grafted into the tree), or 'lookup:N' alone (no head); "
+    f"all nodes together <= {MAX_TREE_NODES}"
 )
 
 
@@ -185,7 +190,7 @@ def _cached_parents(paths: tuple[Path, ...]) -> tuple[int, ...]:
 
 # ----------------------------------------------------------------------------- specs
 
-TreeKind = Literal["paths", "static", "dynamic"]
+TreeKind = Literal["paths", "static", "dynamic", "lookup"]
 
 
 def _check_int(name: str, value: object, lo: int, hi: int | None) -> None:
@@ -238,10 +243,18 @@ def _format_dynamic(spec: TreeSpec) -> str:
     return f"dynamic:{spec.num_nodes},{spec.depth}{topk}"
 
 
+def _check_lookup_spec(spec: TreeSpec) -> None:
+    if spec.paths is not None or spec.num_nodes is not None or spec.depth is not None:
+        raise ValueError("a 'lookup' tree spec takes its lookup budget only (no head tree)")
+    if spec.lookup == 0:
+        raise ValueError("'lookup:N' needs N >= 1 lookup nodes")
+
+
 _SPEC_KINDS: dict[str, tuple[Callable[[TreeSpec], None], Callable[[TreeSpec], str]]] = {
     "paths": (_check_paths_spec, _format_paths),
     "static": (_check_static_spec, lambda s: f"static:{s.num_nodes}"),
     "dynamic": (_check_dynamic_spec, _format_dynamic),
+    "lookup": (_check_lookup_spec, lambda s: ""),
 }
 
 
@@ -254,27 +267,55 @@ class TreeSpec:
     num_nodes: int | None = None  # node budget excluding the root (static/dynamic)
     depth: int | None = None  # depth limit (dynamic)
     topk: int = DEFAULT_TOPK  # branching per expansion (dynamic)
+    lookup: int = 0  # prompt-lookup nodes grafted into the tree (kind "lookup": lookup alone)
 
     def __post_init__(self) -> None:
         if self.kind not in _SPEC_KINDS:
             raise ValueError(
                 f"tree spec kind {self.kind!r} unknown, use one of {sorted(_SPEC_KINDS)}"
             )
+        _check_int("lookup N", self.lookup, 0, MAX_TREE_NODES)
         _SPEC_KINDS[self.kind][0](self)
+        if self.max_nodes > MAX_TREE_NODES:
+            raise ValueError(
+                f"{self.head_nodes} head nodes + {self.lookup} lookup nodes = {self.max_nodes} > "
+                f"MAX_TREE_NODES = {MAX_TREE_NODES}; lower one of them"
+            )
 
     def to_string(self) -> str:
         """The spec as a string that `parse_tree_spec` turns back into an equal spec."""
-        return _SPEC_KINDS[self.kind][1](self)
+        head = _SPEC_KINDS[self.kind][1](self)
+        return "+".join(p for p in (head, f"lookup:{self.lookup}" if self.lookup else "") if p)
+
+    @property
+    def has_head(self) -> bool:
+        """False for 'lookup:N' alone (no draft head runs)."""
+        return self.kind != "lookup"
+
+    @property
+    def head_spec(self) -> TreeSpec:
+        """The head's part (this spec without lookup nodes); only for specs with a head."""
+        if not self.has_head:
+            raise ValueError(f"tree {self.to_string()!r} has no head part")
+        return self if not self.lookup else dataclasses.replace(self, lookup=0)
+
+    @property
+    def head_nodes(self) -> int:
+        if not self.has_head:
+            return 0
+        return len(self.paths) if self.kind == "paths" else self.num_nodes
 
     @property
     def max_nodes(self) -> int:
         """The most nodes (root excluded) a tree drafted from this spec can have."""
-        return len(self.paths) if self.kind == "paths" else self.num_nodes
+        return self.head_nodes + self.lookup
 
     @property
     def is_chain(self) -> bool:
-        """True for chain:K (one child per node), which plain chain verification handles."""
-        return self.kind == "paths" and all(not any(p) for p in self.paths)
+        """True for chain:K (one child per node), which plain chain verification handles.
+        Lookup branches make any spec a tree (they may branch off the head's chain)."""
+        return (self.kind == "paths" and not self.lookup
+                and all(not any(p) for p in self.paths))
 
 
 def _chain(args: list[int]) -> TreeSpec:
@@ -295,35 +336,59 @@ _SPEC_PARSERS: dict[str, tuple[tuple[int, ...], Callable[[list[int]], TreeSpec]]
 }
 
 
+def _parse_ints(name: str, rest: str, counts: tuple[int, ...]) -> list[int]:
+    try:
+        args = [int(a) for a in rest.split(",")]
+    except ValueError:
+        raise ValueError(f"{rest!r} is not a comma-separated list of integers") from None
+    if len(args) not in counts:
+        raise ValueError(f"'{name}:' takes {' or '.join(map(str, counts))} integers, got {len(args)}")
+    return args
+
+
+def _parse_lookup(part: str) -> int:
+    name, sep, rest = part.strip().partition(":")
+    if name != "lookup" or not sep:
+        raise ValueError(f"unknown suffix {part!r}: the only suffix is '+lookup:N'")
+    (n,) = _parse_ints("lookup", rest, (1,))
+    _check_int("lookup N", n, 1, MAX_TREE_NODES)
+    return n
+
+
 def parse_tree_spec(s: str) -> TreeSpec:
-    """Parse "chain:K", a JSON list of paths, "static:NODES" or "dynamic:NODES,DEPTH[,TOPK]"."""
+    """Parse "chain:K", a JSON list of paths, "static:NODES" or "dynamic:NODES,DEPTH[,TOPK]",
+    each optionally followed by "+lookup:N", or "lookup:N" alone."""
     if not isinstance(s, str):
         raise ValueError(
             f"tree spec must be a string, got {type(s).__name__}; accepted forms: {SPEC_FORMS}"
         )
-    text = s.strip()
     try:
-        if text.startswith("["):
-            try:
-                paths = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"malformed JSON ({e.msg} at char {e.pos})") from None
-            return TreeSpec("paths", paths=paths)
-        name, sep, rest = text.partition(":")
-        if not sep or name not in _SPEC_PARSERS:
-            raise ValueError(f"unknown tree kind {name!r}" if sep else "not a known form")
-        counts, build = _SPEC_PARSERS[name]
-        try:
-            args = [int(a) for a in rest.split(",")]
-        except ValueError:
-            raise ValueError(f"{rest!r} is not a comma-separated list of integers") from None
-        if len(args) not in counts:
-            raise ValueError(
-                f"'{name}:' takes {' or '.join(map(str, counts))} integers, got {len(args)}"
-            )
-        return build(args)
+        head, *suffixes = s.strip().split("+")
+        if len(suffixes) > 1:
+            raise ValueError("at most one '+lookup:N' suffix")
+        lookup = _parse_lookup(suffixes[0]) if suffixes else 0
+        if head.strip().startswith("lookup:"):
+            if suffixes:
+                raise ValueError("'lookup:N' alone takes no suffix")
+            return TreeSpec("lookup", lookup=_parse_lookup(head))
+        spec = _parse_head_spec(head.strip())
+        return dataclasses.replace(spec, lookup=lookup) if lookup else spec
     except ValueError as e:
         raise ValueError(f"bad tree spec {s!r}: {e}; accepted forms: {SPEC_FORMS}") from None
+
+
+def _parse_head_spec(text: str) -> TreeSpec:
+    if text.startswith("["):
+        try:
+            paths = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"malformed JSON ({e.msg} at char {e.pos})") from None
+        return TreeSpec("paths", paths=paths)
+    name, sep, rest = text.partition(":")
+    if not sep or name not in _SPEC_PARSERS:
+        raise ValueError(f"unknown tree kind {name!r}" if sep else "not a known form")
+    counts, build = _SPEC_PARSERS[name]
+    return build(_parse_ints(name, rest, counts))
 
 
 # ----------------------------------------------------------------------------- static trees

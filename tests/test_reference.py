@@ -7,6 +7,9 @@
 * Sampling, on a tiny random Llama: the joint distribution of generated tokens 2 and 3 under
   tree speculation (branching tree) equals plain sampling's (chi-square homogeneity test,
   significance 1e-3), at T=0.8/top-p 0.9 and at T=1/top-k 3.
+* Hybrid trees (heads/lookup.py): a random EAGLE head's tree + lookup branches, and lookup
+  alone (no head), are token-identical to plain greedy decoding on SmolLM2 and accept lookup
+  tokens; sampled, their joint distribution matches plain sampling (tiny Llama, chi-square).
 * Per-request seeds make runs reproducible.
 """
 
@@ -100,6 +103,25 @@ def test_medusa_greedy_equals_plain(smollm, mtbench_prompts, torch_threads):
     assert got.tokens == want
 
 
+@pytest.mark.slow
+def test_hybrid_and_lookup_greedy_equal_plain_on_smollm2(smollm, mtbench_prompts, torch_threads):
+    target = HFTarget(smollm.model)
+    eos = [smollm.tokenizer.eos_token_id]
+    torch.manual_seed(0)
+    eagle = init_head("eagle", smollm.model, smollm.tokenizer)
+    from_lookup = 0
+    for prompt in mtbench_prompts[:2]:
+        want = plain_generate(target, prompt, 40, eos=eos).tokens
+        for head, spec in ((eagle, "dynamic:8,3,2+lookup:8"), (None, "lookup:6")):
+            got = speculative_generate(target, head, prompt, 40, parse_tree_spec(spec), eos=eos)
+            assert got.tokens == want, f"{spec} diverged"
+            assert sum(got.by_source.values()) == sum(got.accepted)
+            from_lookup += got.by_source["lookup"] + got.by_source["both"]
+    assert from_lookup > 0  # lookup branches were accepted: the hybrid path really ran
+    with pytest.raises(ValueError, match="without a head"):
+        speculative_generate(target, eagle, mtbench_prompts[0], 4, parse_tree_spec("lookup:4"))
+
+
 def _tiny_llama(seed: int, vocab: int = 8):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -122,7 +144,9 @@ def _pair_counts(generate, n: int, vocab: int) -> torch.Tensor:
     "params, shape",
     [(SamplingParams(temperature=0.8, top_p=0.9), "[[0],[1],[0,0],[0,1],[1,0]]"),  # branching
      (SamplingParams(temperature=1.0, top_k=3), "[[0],[1],[0,0],[0,1],[1,0]]"),
-     (SamplingParams(temperature=0.8, top_p=0.9), "chain:2")],  # drafts sampled from q
+     (SamplingParams(temperature=0.8, top_p=0.9), "chain:2"),  # drafts sampled from q
+     (SamplingParams(temperature=0.8, top_p=0.9), "[[0],[1],[0,0]]+lookup:4"),  # hybrid
+     (SamplingParams(temperature=1.0, top_k=3), "lookup:4")],  # lookup alone
 )
 def test_sampling_distribution_matches_plain(params, shape):
     vocab, n = 8, 1500
@@ -130,6 +154,7 @@ def test_sampling_distribution_matches_plain(params, shape):
     target = HFTarget(model)
     drafter = OracleDrafter(_tiny_llama(1, vocab))  # a different model: partial acceptance
     drafter.prompt = prompt = [1, 5, 2]
+    drafter = None if shape.startswith("lookup") else drafter
     tree = parse_tree_spec(shape)
 
     def spec(g):

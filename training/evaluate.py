@@ -26,6 +26,7 @@ from treedraft.heads.reference import DecodeResult, plain_generate, speculative_
 from treedraft.heads.sampling import SamplingParams
 from treedraft.heads.tree import (
     DEFAULT_ACCEPTANCE_RATES,
+    MAX_TREE_DEPTH,
     TreeSpec,
     build_static_paths,
     parse_tree_spec,
@@ -48,12 +49,19 @@ class EvalConfig:
 
 
 def tree_depth(spec: TreeSpec, rates=None) -> int:
-    """Depth gamma of the trees a spec drafts (static trees are built from ``rates``)."""
+    """Deepest node gamma a spec can draft (static trees are built from ``rates``; lookup
+    chains reach min(N, MAX_TREE_DEPTH) below the root)."""
+    lookup = min(spec.lookup, MAX_TREE_DEPTH)
+    if spec.kind == "lookup":
+        return lookup
     if spec.kind == "paths":
-        return max(len(p) for p in spec.paths)
-    if spec.kind == "dynamic":
-        return spec.depth
-    return max(len(p) for p in build_static_paths(rates or DEFAULT_ACCEPTANCE_RATES, spec.num_nodes))
+        head = max(len(p) for p in spec.paths)
+    elif spec.kind == "dynamic":
+        head = spec.depth
+    else:
+        head = max(len(p) for p in build_static_paths(rates or DEFAULT_ACCEPTANCE_RATES,
+                                                        spec.num_nodes))
+    return max(head, lookup)
 
 
 def implied_alpha(tau: float, gamma: int) -> float:
@@ -82,6 +90,9 @@ def summarize(results: list[DecodeResult], spec: str | None, gamma: int) -> dict
         "num_verify_steps": steps,
         "tokens_generated": sum(len(r.tokens) for r in results),
         "mean_tree_size": sum(s for r in results for s in r.tree_sizes) / max(steps, 1),
+        # accepted draft tokens by the source that proposed them (head / lookup / both)
+        "accepted_by_source": {k: sum(r.by_source[k] for r in results)
+                               for k in (results[0].by_source if results else {})},
         "tree": spec,
         "tree_depth": gamma,
     }
@@ -99,14 +110,18 @@ def run_eval(
     progress: bool = True,
 ) -> dict:
     """Reference decoding of ``rows`` ((id, messages) pairs; first user turn used) with an
-    in-memory target (``target.LoadedTarget``) and head (None = plain decoding)."""
+    in-memory target (``target.LoadedTarget``) and head (None = plain decoding, or lookup alone
+    when ``tree`` is 'lookup:N')."""
     from tqdm.auto import tqdm
 
     from .data import first_turn
     from .target import HFTarget, encode_chat
 
     spec_str = tree or (head.config.default_tree if head is not None else None)
-    spec = parse_tree_spec(spec_str) if head is not None else None
+    spec = parse_tree_spec(spec_str) if spec_str else None
+    if spec is not None and spec.has_head != (head is not None):
+        raise ValueError(f"tree {spec_str!r} " + ("needs a head (--head)" if spec.has_head else
+                                                  "drafts without a head: use --head none"))
     rates = getattr(head.config, "acceptance_rates", None) if head is not None else None
     gamma = tree_depth(spec, rates) if spec else 0
     eos = {loaded.tokenizer.eos_token_id}
@@ -117,7 +132,7 @@ def run_eval(
     for i, (pid, messages) in enumerate(bar):
         prompt = encode_chat(loaded.tokenizer, first_turn(messages))
         gen = torch.Generator().manual_seed(seed + i)
-        if head is None:
+        if spec is None:
             r = plain_generate(target, prompt, max_new_tokens, params, eos, gen)
         else:
             r = speculative_generate(target, head, prompt, max_new_tokens, spec, params, eos,
@@ -127,7 +142,7 @@ def run_eval(
         outputs.append({"id": pid, "tokens": r.tokens})
     elapsed = time.perf_counter() - start
     report = summarize(results, spec_str, gamma)
-    if head is None:  # plain decoding: one token per target pass
+    if spec is None:  # plain decoding: one token per target pass
         report.update(mean_acceptance_length=1.0, num_verify_steps=report["tokens_generated"])
     report.update(num_prompts=len(results), seconds=elapsed,
                   tokens_per_second=report["tokens_generated"] / max(elapsed, 1e-9),

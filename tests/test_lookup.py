@@ -1,0 +1,116 @@
+"""Prompt lookup as a tree source (heads/lookup.py) and hybrid tree specs.
+
+* `LookupIndex` proposes the continuations of the history's longest suffix matches, ranked by
+  match length, count and recency; incremental indexing gives the same proposals as indexing the
+  whole history at once; a history that is not an extension (preemption) is re-indexed.
+* `trie_limit` keeps the node budget counting shared prefixes once.
+* `merge_trees` reuses head nodes for equal lookup tokens, marks sources, and returns a
+  depth-ordered tree whose buffers verification accepts.
+* Spec grammar: '+lookup:N' and 'lookup:N' round-trip; bad budgets and suffixes are refused
+  with the accepted forms in the message.
+* Exactness of hybrid trees in the reference decoder is in tests/test_reference.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treedraft.heads.lookup import (
+    HEAD,
+    LOOKUP,
+    LookupIndex,
+    accepted_by_source,
+    merge_trees,
+    trie_limit,
+)
+from treedraft.heads.tree import DraftTree, parse_tree_spec, tree_buffers
+
+
+def test_longest_match_first_then_count_then_recency():
+    idx = LookupIndex(min_n=1, max_n=3)
+    #         0  1  2  3  4  5  6  7  8  9 10 11 12
+    idx.extend([7, 1, 2, 3, 9, 1, 2, 4, 5, 2, 4, 1, 2])
+    # suffix [1, 2]: '1 2' ends at 3 and 7 (not counting the suffix itself at 13);
+    # '7 1 2'/'9 1 2' do not match '4 1 2' -> n=2 continuations [3 9 1 2], [4 5 2 4 1 2]
+    # n=1 ('2'): ends at 3, 7, 10 -> [4 1 2] is new
+    props = idx.propose(budget=100, max_depth=4, max_candidates=8)
+    assert props == [[4, 5, 2, 4], [3, 9, 1, 2], [4, 1, 2]]  # n=2 by recency, then n=1
+    idx2 = LookupIndex(min_n=1, max_n=3)
+    idx2.extend([5, 6, 9, 5, 6, 9, 5, 6, 8, 1, 5, 6])  # '5 6' -> 9 twice, 8 once
+    assert idx2.propose(budget=100, max_depth=1) == [[9], [8]]  # count beats recency
+
+
+def test_incremental_index_equals_whole_history_and_resyncs():
+    hist = torch.randint(0, 6, (300,), generator=torch.Generator().manual_seed(0)).tolist()
+    whole = LookupIndex()
+    whole.extend(hist)
+    inc = LookupIndex()
+    for i in range(0, len(hist), 7):
+        inc.sync(hist[: i + 7])
+    assert inc.tokens == hist and inc._ends == whole._ends
+    assert inc.propose(16) == whole.propose(16) != []
+    other = hist[:50] + [5, 5, 5]  # not an extension of what is indexed: start over
+    inc.sync(other)
+    fresh = LookupIndex()
+    fresh.extend(other)
+    assert inc.tokens == other and inc._ends == fresh._ends
+    assert LookupIndex().propose(8) == []  # empty history: nothing to propose
+    with pytest.raises(ValueError, match="min_n <= max_n"):
+        LookupIndex(min_n=3, max_n=2)
+
+
+def test_trie_limit_counts_shared_prefixes_once():
+    chains = [[1, 2, 3], [1, 2, 4], [5, 6]]
+    assert trie_limit(chains, 100) == chains
+    assert trie_limit(chains, 4) == [[1, 2, 3], [1, 2, 4]]  # 1,2,3 + 4: [5] does not fit
+    assert trie_limit(chains, 2) == [[1, 2], [1, 2]]
+    assert trie_limit(chains, 0) == []
+
+
+def _tree(tokens, parents):
+    return DraftTree(torch.tensor(tokens), torch.tensor(parents),
+                     torch.linspace(0, -1, len(tokens)))
+
+
+def test_merge_reuses_head_nodes_marks_sources_and_orders_by_depth():
+    #           root  a   b   a.c
+    head = _tree([10, 11, 12, 13], [-1, 0, 0, 1])
+    merged = merge_trees(head, 10, [[11, 13, 14], [15]])
+    t, p = merged.tree.tokens.tolist(), merged.tree.parents.tolist()
+    # depth 1: 11 (head+lookup), 12 (head), 15 (lookup); depth 2: 13 (both); depth 3: 14
+    assert t == [10, 11, 12, 15, 13, 14]
+    assert p == [-1, 0, 0, 0, 1, 4]
+    assert merged.sources.tolist() == [0, HEAD | LOOKUP, HEAD, LOOKUP, HEAD | LOOKUP, LOOKUP]
+    assert merged.tree.logprobs[3] == 0 and merged.tree.logprobs[1] == head.logprobs[1]
+    buf = tree_buffers(merged.tree.parents)  # valid, topologically ordered
+    assert buf.depths.tolist() == [0, 1, 1, 1, 2, 3]
+    assert accepted_by_source(merged.sources, [1, 4, 5]) == {"head": 0, "lookup": 1, "both": 2}
+    alone = merge_trees(None, 10, [[1, 2], [1, 3]])
+    assert alone.tree.tokens.tolist() == [10, 1, 2, 3] and alone.tree.parents.tolist() == [-1, 0, 1, 1]
+    assert alone.sources.tolist() == [0, LOOKUP, LOOKUP, LOOKUP]
+    with pytest.raises(ValueError, match="root"):
+        merge_trees(head, 99, [])
+
+
+@pytest.mark.parametrize("spec, nodes", [("dynamic:48,8+lookup:16", 64), ("lookup:16", 16),
+                                         ("chain:4+lookup:8", 12), ("[[0],[1]]+lookup:3", 5)])
+def test_hybrid_specs_round_trip(spec, nodes):
+    s = parse_tree_spec(spec)
+    assert s.to_string() == spec and parse_tree_spec(s.to_string()) == s
+    assert s.max_nodes == nodes and not s.is_chain
+    assert s.has_head == (not spec.startswith("lookup"))
+    if s.has_head:
+        assert s.head_spec.lookup == 0 and s.head_spec.max_nodes == nodes - s.lookup
+
+
+@pytest.mark.parametrize("bad, why", [
+    ("lookup:0", "lookup N = 0"), ("chain:3+lookup:-1", "lookup N = -1"),
+    ("chain:3+lookup:1.5", "'1.5' is not"), ("chain:3+foo:2", "unknown suffix 'foo:2'"),
+    ("dynamic:250,6+lookup:16", "= 266 > MAX_TREE_NODES"), ("lookup:3+lookup:2", "alone"),
+    ("chain:2+lookup:2+lookup:1", "at most one"), ("lookup:", "integers"),
+])
+def test_bad_lookup_specs_are_refused_with_the_grammar(bad, why):
+    with pytest.raises(ValueError, match="lookup:N") as e:
+        parse_tree_spec(bad)
+    assert why in str(e.value)
