@@ -5,8 +5,8 @@ Features:
   so far). `extend` indexes only the new tokens (min_n..max_n keys per token), so a step costs
   O(new tokens * n) to index and O(n) dict look-ups to propose, whatever the history length.
 - `LookupIndex.propose`: continuation chains after the history's longest suffix matches: for
-  n = max_n down to min_n, every earlier occurrence of the last n tokens gives the tokens that
-  followed it. Distinct continuations are ranked by (match length n, occurrences, recency) and
+  n = max_n down to min_n, each of the last MAX_OCCURRENCES earlier occurrences of the last n
+  tokens gives the tokens that followed it. Distinct continuations are ranked by (match length n, occurrences, recency) and
   merged into a trie within a node budget (a shared prefix costs its nodes once).
 - `merge_trees`: one tree from the head's `DraftTree` and lookup chains: a lookup token equal
   to an existing child reuses that node, new nodes are appended; the result is re-ordered by
@@ -33,6 +33,7 @@ from .tree import MAX_TREE_DEPTH, Device, DraftTree
 HEAD, LOOKUP = 1, 2  # node source bits; HEAD | LOOKUP = both proposed it
 SOURCE_NAMES = {HEAD: "head", LOOKUP: "lookup", HEAD | LOOKUP: "both"}
 DEFAULT_MIN_N, DEFAULT_MAX_N = 1, 4  # n-gram lengths matched (longest first)
+MAX_OCCURRENCES = 32  # most recent occurrences read per n-gram: bounds a step's cost
 
 
 class LookupIndex:
@@ -75,7 +76,7 @@ class LookupIndex:
         toks, L = self.tokens, len(self.tokens)
         found: dict[tuple[int, ...], tuple[int, set[int]]] = {}  # cont -> (n, start positions)
         for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
-            for p in self._ends.get(tuple(toks[L - n:]), ()):
+            for p in self._ends.get(tuple(toks[L - n:]), ())[-MAX_OCCURRENCES:]:
                 if p >= L:  # the suffix itself: its continuation is what we want to know
                     continue
                 cont = tuple(toks[p:p + max_depth])

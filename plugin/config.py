@@ -14,7 +14,9 @@ or a shipped head's short name) or ``method`` is ``"treedraft"``:
 
 Tree shape: ``tree`` if given, else ``chain:num_speculative_tokens`` if that is given, else the
 head's ``default_tree``. Chains are verified by vLLM's own rejection sampler; branching trees by
-treedraft's tree verifier.
+treedraft's tree verifier. Prompt lookup needs no head: ``{"method": "treedraft", "tree":
+"lookup:N"}`` drafts from each request's own history alone, and ``"+lookup:N"`` after a head's
+tree grafts lookup branches into it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from .patching import Patch
 PROPOSER = "treedraft.plugin.proposer.TreeDraftProposer"
 KEY = "treedraft"  # additional_config key
 TREEDRAFT_KEYS = ("tree",)
+# --speculative-config keys and the --spec-* shorthand attributes of EngineArgs they merge with
+FLAGS = {"method": "spec_method", "model": "spec_model", "num_speculative_tokens": "spec_tokens"}
 
 
 def _head_dir(model: Any) -> Path | None:
@@ -90,13 +94,14 @@ def resolve_tree(sc: dict, head_config: dict) -> Any:
 def rewrite(engine_args, target_model_config) -> None:
     """Rewrite engine_args.speculative_config in place when it names a treedraft head."""
     sc = dict(engine_args.speculative_config or {})
-    flags = {"method": "spec_method", "model": "spec_model", "num_speculative_tokens": "spec_tokens"}
-    for key, attr in flags.items():  # the --spec-* shorthands, merged as vLLM would
+    for key, attr in FLAGS.items():  # the --spec-* shorthands, merged as vLLM would
         if getattr(engine_args, attr, None) is not None and key not in sc:
             sc[key] = getattr(engine_args, attr)
     sc = {k.replace("-", "_"): v for k, v in sc.items()}
     head_dir = _head_dir(sc.get("model"))
     if head_dir is None:
+        if sc.get("method") == KEY and not sc.get("model"):
+            return _rewrite_lookup_only(engine_args, sc)
         if sc.get("method") == KEY:
             raise ValueError(
                 f"--speculative-config: method 'treedraft' needs 'model' to be a treedraft head "
@@ -108,12 +113,15 @@ def rewrite(engine_args, target_model_config) -> None:
             f"--speculative-config: {head_dir} is a treedraft head, but method={sc['method']!r}; "
             "drop 'method' (or set it to 'treedraft')"
         )
-    for attr in flags.values():
-        setattr(engine_args, attr, None)
     from treedraft.heads.common import load_head
 
     head_config = json.loads((head_dir / "config.json").read_text())
     spec = resolve_tree(sc, head_config)
+    if not spec.has_head:
+        raise ValueError(
+            f"--speculative-config: tree {spec.to_string()!r} drafts by prompt lookup alone, "
+            f"without a head, but 'model' names the head {head_dir}; drop 'model' and set "
+            f"'method': 'treedraft', or add a head tree (e.g. 'chain:2+{spec.to_string()}')")
     head = load_head(head_dir)  # CPU, small; refuses a corrupt or unknown head
     head.check_target(target_signature(target_model_config))
     if spec.max_nodes > 1 and head.head_type == "medusa":
@@ -123,6 +131,30 @@ def rewrite(engine_args, target_model_config) -> None:
                 f"tree {spec.to_string()!r} is {depth} deep, but the Medusa head {head_dir} has "
                 f"{head.config.num_heads} heads; use a tree at most {head.config.num_heads} deep"
             )
+    _check_platform(spec)
+    _finish(engine_args, sc, spec, {"head_dir": str(head_dir), "head_type": head.head_type})
+
+
+def _rewrite_lookup_only(engine_args, sc: dict) -> None:
+    """{"method": "treedraft", "tree": "lookup:N"}: prompt lookup verified as trees, no head."""
+    from treedraft.heads.tree import parse_tree_spec
+
+    tree = sc.pop("tree", None)
+    spec = parse_tree_spec(tree) if tree is not None else None
+    if spec is None or spec.has_head:
+        raise ValueError(
+            f"--speculative-config: method 'treedraft' without 'model' drafts by prompt lookup "
+            f"alone and needs 'tree': 'lookup:N', got tree={tree!r}; or set 'model' to a "
+            "treedraft head folder or shipped head name")
+    k = sc.get("num_speculative_tokens")
+    if k is not None and k != spec.max_nodes:
+        raise ValueError(f"--speculative-config: num_speculative_tokens={k} disagrees with tree "
+                         f"{spec.to_string()!r} ({spec.max_nodes} nodes); drop it")
+    _check_platform(spec)
+    _finish(engine_args, sc, spec, {"head_dir": None, "head_type": None})
+
+
+def _check_platform(spec) -> None:
     from vllm.platforms import current_platform
 
     if not spec.is_chain and not current_platform.is_cpu():
@@ -131,14 +163,19 @@ def rewrite(engine_args, target_model_config) -> None:
             "backend only so far (the CUDA attention path is designed in plugin/attention_cpu.py "
             "but not built); use 'chain:K' on this platform"
         )
+
+
+def _finish(engine_args, sc: dict, spec, head: dict) -> None:
+    """The rewritten config: vLLM's custom_class proposer with the tree's node budget."""
     from . import metrics
 
-    metrics.ACTIVE = True  # this process serves a treedraft head: tree metrics on
+    metrics.ACTIVE = True  # this process serves treedraft drafts: tree metrics on
     sc.update(method="custom_class", model=PROPOSER, num_speculative_tokens=spec.max_nodes)
+    for attr in FLAGS.values():  # merged into sc above
+        setattr(engine_args, attr, None)
     engine_args.speculative_config = sc
     engine_args.additional_config = {
-        **(engine_args.additional_config or {}),
-        KEY: {"head_dir": str(head_dir), "head_type": head.head_type, "tree": spec.to_string()},
+        **(engine_args.additional_config or {}), KEY: {**head, "tree": spec.to_string()},
     }
 
 

@@ -14,6 +14,10 @@ Per request and step (rows are this step's scheduled tokens, starting at positio
   rejection sampler as draft probabilities (`last_draft_probs`); greedy requests and trees draft
   the top-ranked tokens (q one-hot, vLLM's default).
 
+Trees with lookup nodes ('+lookup:N'; 'lookup:N' alone runs no head) keep one incremental
+`heads.lookup.LookupIndex` per request over its token history (prompt + output, vLLM's
+`token_ids_cpu`), and graft its proposals into the head's tree (`heads.lookup.draft_hybrid`).
+
 vLLM's `num_speculative_tokens_per_batch_size` schedule (scheduler_output.
 num_spec_tokens_to_schedule) is the node budget of the step: chains are drafted that deep, other
 trees are cut to their first nodes (a prefix of a topologically ordered tree is a tree), and at 0
@@ -25,6 +29,7 @@ from __future__ import annotations
 import torch
 from vllm.logger import init_logger
 
+from treedraft.heads.lookup import LookupIndex, draft_hybrid
 from treedraft.heads.sampling import draft_chain
 from treedraft.heads.tree import DraftTree, draft_tree, parse_tree_spec
 
@@ -54,7 +59,7 @@ class TreeDraftProposer:
                 "TreeDraftProposer is configured by treedraft's plugin: pass the head folder as "
                 "--speculative-config '{\"model\": \"HEAD_DIR\"}' instead of naming this class"
             )
-        self.head_dir = td["head_dir"]
+        self.head_dir = td.get("head_dir")  # None: 'lookup:N' alone, no head
         self.spec = parse_tree_spec(td["tree"])
         self._chains: dict[int, object] = {}  # budget -> chain spec (shorter chains)
         self.tree_mode = not self.spec.is_chain  # chains: vLLM's rejection sampler verifies
@@ -63,6 +68,7 @@ class TreeDraftProposer:
         self.rates = None  # the head's acceptance_rates (static trees), set in load_model
         self.sessions: dict[str, object] = {}
         self.trees: dict[str, DraftTree] = {}  # drafted this step, verified next step (tree mode)
+        self.lookups: dict[str, LookupIndex] = {}  # per request, its token history indexed
         self.last_draft_probs: torch.Tensor | None = None  # [num_reqs, K, V] of the last step
         from . import runner
 
@@ -70,6 +76,8 @@ class TreeDraftProposer:
 
     # -------------------------------------------------------------- vLLM's custom_class contract
     def load_model(self, target_model) -> None:
+        if self.head_dir is None:  # lookup alone: nothing to load
+            return
         from treedraft.heads.common import load_head
 
         head = load_head(self.head_dir)
@@ -92,7 +100,7 @@ class TreeDraftProposer:
     @property
     def layer_ids(self) -> tuple[int, ...]:
         """HF hidden_states indices the head reads, in head order (num_layers = final output)."""
-        return tuple(self.head.config.target_layer_ids)
+        return tuple(self.head.config.target_layer_ids) if self.head is not None else ()
 
     @property
     def aux_layer_ids(self) -> tuple[int, ...]:
@@ -129,10 +137,10 @@ class TreeDraftProposer:
         accepted: req_id -> accepted node ids of this step's tree (tree mode), else chains.
         """
         ib = runner.input_batch
-        qsl = runner.query_start_loc.np
         live = set(ib.req_ids)
-        for gone in [r for r in self.sessions if r not in live]:  # finished or preempted
-            del self.sessions[gone]
+        for gone in [r for r in {*self.sessions, *self.lookups} if r not in live]:
+            self.sessions.pop(gone, None)  # finished or preempted
+            self.lookups.pop(gone, None)
             self.trees.pop(gone, None)
         budget = getattr(scheduler_output, "num_spec_tokens_to_schedule", None)
         budget = self.spec.max_nodes if budget is None else min(budget, self.spec.max_nodes)
@@ -143,22 +151,9 @@ class TreeDraftProposer:
             if n == 0:
                 drafts.append([])
                 continue
-            qs, c = int(qsl[i]), int(ib.num_computed_tokens_cpu[i])
-            nodes = (accepted or {}).get(req_id)
-            if nodes is not None:  # tree step: root row + accepted nodes' rows
-                rows = [qs] + [qs + a for a in nodes]
-            else:
-                num_drafts = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
-                m = n - num_drafts - 1 + len(sampled) if sampled else n
-                rows = list(range(qs, qs + m))
-            tokens = torch.from_numpy(ib.token_ids_cpu[i, c + 1 : c + 1 + len(rows)].copy())
-            session = self.sessions.get(req_id)
-            if session is None:
-                session = self.sessions[req_id] = self.head.draft_session()
-            session.rewind(c)
-            feats = self.features(hidden_states, aux_hidden_states,
-                                  torch.tensor(rows, device=hidden_states.device))
-            session.commit(feats, tokens.long())
+            session = None if self.head is None else self._commit(
+                runner, scheduler_output, i, req_id, n, sampled, hidden_states,
+                aux_hidden_states, accepted)
             if not sampled or budget == 0 or (self.tree_mode and self._unsupported(runner, req_id)):
                 drafts.append([])  # partial prefill chunk, no budget, or params trees cannot honour
                 self.trees.pop(req_id, None)
@@ -169,7 +164,14 @@ class TreeDraftProposer:
                 chain, probs[i] = draft_chain(sampled[-1], session, spec.max_nodes, params)
                 drafts.append(chain.tokens[1:].tolist())
                 continue
-            tree = draft_tree(sampled[-1], session, spec, self.rates, device=hidden_states.device)
+            if spec.lookup:
+                index = self.lookups.setdefault(req_id, LookupIndex())
+                index.sync(ib.token_ids_cpu[i, : ib.num_tokens_no_spec[i]])  # a view: O(new)
+                tree = draft_hybrid(sampled[-1], session, spec, index, self.rates,
+                                    device=hidden_states.device).tree
+            else:
+                tree = draft_tree(sampled[-1], session, spec, self.rates,
+                                  device=hidden_states.device)
             self.trees[req_id] = tree  # make_request keeps the scheduled prefix
             drafts.append(tree.tokens[1 : budget + 1].tolist())
         self.last_draft_probs = self._draft_probs(runner, drafts, probs) if probs else None
@@ -178,6 +180,28 @@ class TreeDraftProposer:
                 "treedraft: chains of sampling requests draw drafts from the head's q and pass "
                 "q to vLLM's rejection sampler as draft probabilities")
         return drafts
+
+    def _commit(self, runner, scheduler_output, i: int, req_id: str, n: int, sampled,
+                hidden_states, aux_hidden_states, accepted):
+        """Feed the head this step's known pairs (features, next token); its session."""
+        ib = runner.input_batch
+        qs, c = int(runner.query_start_loc.np[i]), int(ib.num_computed_tokens_cpu[i])
+        nodes = (accepted or {}).get(req_id)
+        if nodes is not None:  # tree step: root row + accepted nodes' rows
+            rows = [qs] + [qs + a for a in nodes]
+        else:
+            num_drafts = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
+            m = n - num_drafts - 1 + len(sampled) if sampled else n
+            rows = list(range(qs, qs + m))
+        tokens = torch.from_numpy(ib.token_ids_cpu[i, c + 1 : c + 1 + len(rows)].copy())
+        session = self.sessions.get(req_id)
+        if session is None:
+            session = self.sessions[req_id] = self.head.draft_session()
+        session.rewind(c)
+        feats = self.features(hidden_states, aux_hidden_states,
+                              torch.tensor(rows, device=hidden_states.device))
+        session.commit(feats, tokens.long())
+        return session
 
     def _sampled_params(self, runner, req_id: str):
         """heads SamplingParams of a request that samples (T > 0), else None (greedy)."""

@@ -33,18 +33,21 @@ from pathlib import Path
 PRESETS = {
     "quick": {"limit": 4, "stride": 20, "max_new_tokens": 64, "batch_sizes": (1, 8),
               "temperatures": (0.0, 1.0), "enforce_eager": True,
-              "configs": ("no-spec", "ngram=3", "chain=2", "tree=dynamic:10,3,3")},
+              "configs": ("no-spec", "ngram=3", "chain=2", "tree=lookup:4",
+                          "tree=chain:2+lookup:4")},
     "full": {"limit": 80, "stride": 1, "max_new_tokens": 256, "batch_sizes": (1, 4, 16, 32),
              "temperatures": (0.0, 1.0), "enforce_eager": False,
              # small trees: on a CPU every verified token costs compute
              "configs": ("no-spec", "ngram=4", "chain=3", "tree=static:10",
-                         "tree=dynamic:10,3,3")},
+                         "tree=dynamic:10,3,3", "tree=lookup:8",
+                         "tree=dynamic:10,3,3+lookup:8")},
 }
-DEFAULT_CONFIGS = PRESETS["quick"]["configs"]
 
 
 def speculative_config(config: str, head: str) -> dict | None:
     """'no-spec' | 'ngram=K' | 'chain=K' | 'tree=SPEC' | 'spec=JSON' -> vLLM's speculative_config.
+
+    tree=SPEC takes hybrid specs ('dynamic:10,3,3+lookup:8') and lookup alone ('lookup:8').
 
     spec=JSON is any --speculative-config dict ("model" defaults to the benchmarked head), e.g.
     'spec={"tree": "chain:3", "num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 256, 0]]}'.
@@ -58,6 +61,8 @@ def speculative_config(config: str, head: str) -> dict | None:
     if kind == "chain":
         return {"model": head, "num_speculative_tokens": int(arg or 4)}
     if kind == "tree":
+        if arg.strip().startswith("lookup:"):  # prompt lookup alone: no head
+            return {"method": "treedraft", "tree": arg}
         return {"model": head, "tree": arg}
     if kind == "spec":
         try:

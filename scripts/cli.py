@@ -1,6 +1,7 @@
 """The ``treedraft`` command: thin subcommands that parse arguments and call one function.
 
     treedraft model smollm2-135m                    # materialize / resolve a model, print its folder
+    treedraft machine                               # CPU flags and the dtype picked from them
     treedraft prompts sharegpt --limit 3            # look at a prompt set
     treedraft demo                                  # the main job on the embedded default target
     treedraft eval --head none --prompts mtbench    # offline acceptance evaluator (reference decoder)
@@ -43,6 +44,20 @@ def cmd_model(args: argparse.Namespace) -> None:
     else:
         print(resolve_model(args.name))
 
+
+
+def _machine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", action="store_true",
+                   help="print only the dtype this machine computes fastest (for vllm --dtype)")
+
+
+@command("machine", _machine_args)
+def cmd_machine(args: argparse.Namespace) -> None:
+    """This CPU's model, the ISA flags that matter (avx2, avx512_f, avx512_bf16, amx_bf16) and
+    the dtype treedraft picks from them: bfloat16 with AMX/AVX512-BF16, float32 otherwise."""
+    from treedraft.training.machine import default_dtype, describe
+
+    print(default_dtype() if args.dtype else describe())
 
 
 def _prompts_args(p: argparse.ArgumentParser) -> None:

@@ -85,6 +85,8 @@ def test_bench_configs_rows_and_table():
     assert speculative_config("chain=3", "H") == {"model": "H", "num_speculative_tokens": 3}
     assert speculative_config("tree=dynamic:10,3,3", "H") == {"model": "H", "tree": "dynamic:10,3,3"}
     assert speculative_config("ngram=4", "H")["method"] == "ngram"
+    assert speculative_config("tree=chain:2+lookup:8", "H") == {"model": "H", "tree": "chain:2+lookup:8"}
+    assert speculative_config("tree=lookup:8", "H") == {"method": "treedraft", "tree": "lookup:8"}
     sched = 'spec={"tree": "chain:3", "num_speculative_tokens_per_batch_size": [[1, 4, 3]]}'
     assert speculative_config(sched, "H") == {
         "model": "H", "tree": "chain:3", "num_speculative_tokens_per_batch_size": [[1, 4, 3]]}
@@ -121,3 +123,12 @@ def test_bench_progress_estimate_and_closing_line():
         "best speedup vs no-spec: T=0: chain=2 1.20x at batch 1; T=1: chain=2 0.80x at batch 1")
     assert PRESETS["quick"]["enforce_eager"] and not PRESETS["full"]["enforce_eager"]
     assert PRESETS["full"]["limit"] == 80 and PRESETS["full"]["max_new_tokens"] == 256
+
+
+def test_machine_command_prints_flags_and_dtype():
+    from treedraft.training.machine import default_dtype
+
+    r = run("machine")
+    assert r.returncode == 0 and "avx2" in r.stdout and "amx_bf16" in r.stdout, r.stderr
+    r = run("machine", "--dtype")
+    assert r.returncode == 0 and r.stdout.strip() == default_dtype()

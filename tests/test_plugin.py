@@ -267,8 +267,28 @@ def test_treedraft_head_becomes_a_custom_class_proposer():
     assert cfg.speculative_config.num_speculative_tokens == 4
 
 
+def test_hybrid_and_lookup_only_trees_become_the_proposer():
+    cfg = _engine_config({"model": "smollm2-135m-eagle", "tree": "dynamic:12,4,3+lookup:8"})
+    assert cfg.speculative_config.num_speculative_tokens == 20
+    assert cfg.additional_config["treedraft"]["tree"] == "dynamic:12,4,3+lookup:8"
+    cfg = _engine_config({"method": "treedraft", "tree": "lookup:6"})  # no head at all
+    assert cfg.speculative_config.method == "custom_class"
+    assert cfg.speculative_config.num_speculative_tokens == 6
+    assert cfg.additional_config["treedraft"] == {"head_dir": None, "head_type": None,
+                                                  "tree": "lookup:6"}
+    with pytest.raises(ValueError, match="drop 'model'"):  # a head with a head-less tree
+        _engine_config({"model": "smollm2-135m-eagle", "tree": "lookup:6"})
+    with pytest.raises(ValueError, match="needs 'tree': 'lookup:N'"):
+        _engine_config({"method": "treedraft", "tree": "chain:3"})
+    with pytest.raises(ValueError, match="needs 'tree': 'lookup:N'"):
+        _engine_config({"method": "treedraft"})
+
+
 @pytest.mark.parametrize("tree, message", [
     ("", "not a known form"),
+    ("chain:3+lookup:0", "lookup N = 0"),
+    ("chain:3+ngram:4", "unknown suffix"),
+    ("dynamic:250,6+lookup:16", "MAX_TREE_NODES"),
     ("chain:99", "K"),
     ("dynamic:0,3", "NODES = 0"),
     ("[[0], [0, 0], [1, 0]]", "path"),

@@ -88,6 +88,10 @@ def summarize(results: list[DecodeResult], spec: str | None, gamma: int) -> dict
         ],
         "alpha_implied": implied_alpha(tau, gamma) if gamma else 0.0,
         "num_verify_steps": steps,
+        # steps that drafted at least one node (prompt lookup may find nothing to propose);
+        # vLLM counts only these as drafts, so its mean acceptance length is 1 + accepted /
+        # num_drafting_steps, higher than ours for lookup, equal for a head's trees
+        "num_drafting_steps": sum(s > 0 for r in results for s in r.tree_sizes),
         "tokens_generated": sum(len(r.tokens) for r in results),
         "mean_tree_size": sum(s for r in results for s in r.tree_sizes) / max(steps, 1),
         # accepted draft tokens by the source that proposed them (head / lookup / both)
@@ -139,7 +143,9 @@ def run_eval(
                                      gen, acceptance_rates=rates)
             bar.set_postfix(tau=f"{summarize(results + [r], spec_str, gamma)['mean_acceptance_length']:.2f}")
         results.append(r)
-        outputs.append({"id": pid, "tokens": r.tokens})
+        outputs.append({"id": pid, "tokens": r.tokens, "mean_acceptance_length":
+                        (sum(r.accepted) + len(r.accepted)) / max(len(r.accepted), 1)
+                        if spec is not None else 1.0, "accepted_by_source": r.by_source})
     elapsed = time.perf_counter() - start
     report = summarize(results, spec_str, gamma)
     if spec is None:  # plain decoding: one token per target pass
