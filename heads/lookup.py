@@ -172,12 +172,15 @@ def accepted_by_source(sources: torch.Tensor | Sequence[int], accepted: Sequence
 def draft_hybrid(root_token: int, expander, spec, index: LookupIndex,
                  acceptance_rates=None, device: Device = None) -> HybridTree:
     """The tree `spec` asks for: the head's tree (if any) plus up to spec.lookup lookup nodes
-    proposed from `index` (whose history must end with `root_token`)."""
+    proposed from `index` (whose history must end with `root_token`; unused without lookup)."""
     from .tree import draft_tree
 
-    if index.tokens and index.tokens[-1] != int(root_token):
+    if spec.lookup and index.tokens and index.tokens[-1] != int(root_token):
         raise ValueError(f"lookup history ends with {index.tokens[-1]}, not the root {root_token}")
     head_tree = (draft_tree(root_token, expander, spec.head_spec, acceptance_rates, device)
                  if spec.has_head else None)
-    chains = index.propose(spec.lookup) if spec.lookup else []
-    return merge_trees(head_tree, root_token, chains, device)
+    if not spec.lookup:  # the head's tree as drafted (already depth-ordered)
+        sources = torch.full_like(head_tree.tokens, HEAD, dtype=torch.int8)
+        sources[0] = 0
+        return HybridTree(head_tree, sources)
+    return merge_trees(head_tree, root_token, index.propose(spec.lookup), device)

@@ -104,7 +104,7 @@ def plain_generate(
 
 def speculative_generate(
     target: Target,
-    head,  # a treedraft head: has draft_session() -> (commit, expand); None for 'lookup:N' 
+    head,  # a treedraft head: has draft_session() -> (commit, expand); None for 'lookup:N'
     prompt: list[int],
     max_new_tokens: int,
     spec: TreeSpec,
@@ -131,7 +131,8 @@ def speculative_generate(
     if session is not None:  # pairs (f_t, x_{t+1}) for t = 0..n-1; the last ends with the root
         session.commit(hidden, torch.tensor(prompt[1:] + [root]))
     index = LookupIndex()
-    index.extend(prompt + [root])
+    if spec.lookup:
+        index.extend(prompt + [root])
     result = DecodeResult([root])
     while not _done(result.tokens, max_new_tokens, eos):
         sources = None
@@ -153,7 +154,8 @@ def speculative_generate(
         new = tree.tokens[path[1:]].tolist() + [root]
         if session is not None:
             session.commit(hidden[path], torch.tensor(new))
-        index.extend(new)
+        if spec.lookup:
+            index.extend(new)
         if sources is not None:
             for k, v in accepted_by_source(sources, accepted).items():
                 result.by_source[k] += v

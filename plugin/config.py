@@ -170,6 +170,7 @@ def _finish(engine_args, sc: dict, spec, head: dict) -> None:
     from . import metrics
 
     metrics.ACTIVE = True  # this process serves treedraft drafts: tree metrics on
+    metrics.new_stats_path()  # accepted-by-source counts, worker -> this frontend
     sc.update(method="custom_class", model=PROPOSER, num_speculative_tokens=spec.max_nodes)
     for attr in FLAGS.values():  # merged into sc above
         setattr(engine_args, attr, None)

@@ -10,15 +10,69 @@ new data crosses processes:
 
 Mean acceptance length is vLLM's (1 + accepted / drafts); the log line gains the depth
 histogram and the mean tree size. Active only when a treedraft head is configured.
+
+One counter needs data only the worker has: which source proposed each accepted node of a tree
+(`heads.lookup`: head, lookup, or both). `vllm:treedraft_accepted_tokens_by_source{source}`
+(tree mode) is fed through a small JSON file: the frontend names it in the environment
+(`STATS_ENV`, inherited by the engine-core and worker processes it starts; not in vLLM's
+config, whose hash keys the compile cache), the worker (`SourceStats`, TP rank 0) rewrites it
+atomically after each verified step, and the frontend reads it when it observes the step's
+stats (so it may trail by a step).
 """
 
 from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
 
 from vllm.v1.spec_decode.metrics import SpecDecodingProm
 
 from .patching import Patch
 
 ACTIVE = False  # set by plugin/config.py when --speculative-config names a treedraft head
+STATS_ENV = "TREEDRAFT_SOURCE_STATS"  # path of the accepted-by-source counts file
+SOURCES = ("head", "lookup", "both")
+
+
+def new_stats_path() -> str:
+    """A fresh counts file for the engine this frontend is configuring, named in the
+    environment its engine-core and worker processes inherit (an inherited name from a parent
+    process is replaced: every engine counts on its own)."""
+    folder = tempfile.mkdtemp(prefix="treedraft-stats-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    os.environ[STATS_ENV] = str(Path(folder) / "accepted_by_source.json")
+    return os.environ[STATS_ENV]
+
+
+def read_source_counts(path: str | None) -> dict[str, int]:
+    """Accepted draft tokens by source so far ({} before the worker wrote anything)."""
+    if not path:
+        return {}
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):  # not written yet, or mid-replace on another OS
+        return {}
+
+
+class SourceStats:
+    """Worker side: running totals of accepted draft tokens by source, rewritten atomically."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.counts = dict.fromkeys(SOURCES, 0)
+
+    def add(self, counts: dict[str, int]) -> None:
+        if not self.path or not any(counts.values()):
+            return
+        for k, v in counts.items():
+            self.counts[k] += v
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        Path(tmp).write_text(json.dumps(self.counts))
+        os.replace(tmp, self.path)
 
 
 def exact_counts(total: int, more_than: list[int]) -> list[int]:
@@ -46,6 +100,14 @@ class TreedraftSpecDecodingProm(SpecDecodingProm):
                                "Verify steps by number of accepted draft tokens.", "depth")
         self.size = per_value("vllm:treedraft_tree_size",
                               "Verify steps by number of draft tokens (tree nodes).", "nodes")
+        by_source = self._counter_cls(
+            name="vllm:treedraft_accepted_tokens_by_source",
+            documentation="Accepted draft tokens by the source that proposed them (trees).",
+            labelnames=[*labelnames, "source"])
+        self.by_source = {idx: {src: by_source.labels(*lv, src) for src in SOURCES}
+                          for idx, lv in per_engine_labelvalues.items()}
+        self.source_path = os.environ.get(STATS_ENV)
+        self.source_seen = dict.fromkeys(SOURCES, 0)
 
     def observe(self, spec_decoding_stats, engine_idx: int = 0):
         super().observe(spec_decoding_stats, engine_idx)
@@ -58,6 +120,12 @@ class TreedraftSpecDecodingProm(SpecDecodingProm):
                             strict=False):
                 if k:
                     c.inc(k)
+        totals = read_source_counts(self.source_path)
+        for src, c in self.by_source.get(engine_idx, {}).items():
+            new = totals.get(src, 0) - self.source_seen[src]
+            if new > 0:
+                c.inc(new)
+                self.source_seen[src] += new
 
 
 def _wrap_log(original):

@@ -26,10 +26,12 @@ nothing is drafted (the head still reads the step's hidden states, so it keeps i
 
 from __future__ import annotations
 
+import os
+
 import torch
 from vllm.logger import init_logger
 
-from treedraft.heads.lookup import LookupIndex, draft_hybrid
+from treedraft.heads.lookup import LookupIndex, accepted_by_source, draft_hybrid
 from treedraft.heads.sampling import draft_chain
 from treedraft.heads.tree import DraftTree, draft_tree, parse_tree_spec
 
@@ -51,6 +53,10 @@ def target_weights(model, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return embed[:vocab_size], lm_head[:vocab_size]
 
 
+def _tp_rank0() -> bool:
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
 class TreeDraftProposer:
     def __init__(self, vllm_config) -> None:
         td = (vllm_config.additional_config or {}).get(KEY)
@@ -69,6 +75,12 @@ class TreeDraftProposer:
         self.sessions: dict[str, object] = {}
         self.trees: dict[str, DraftTree] = {}  # drafted this step, verified next step (tree mode)
         self.lookups: dict[str, LookupIndex] = {}  # per request, its token history indexed
+        self.sources: dict[str, torch.Tensor] = {}  # per request, HEAD/LOOKUP bits of its tree
+        self.source_stats = None  # accepted tokens by source -> the frontend (tree mode)
+        if self.tree_mode and _tp_rank0():
+            from .metrics import STATS_ENV, SourceStats
+
+            self.source_stats = SourceStats(os.environ.get(STATS_ENV))
         self.last_draft_probs: torch.Tensor | None = None  # [num_reqs, K, V] of the last step
         from . import runner
 
@@ -138,10 +150,13 @@ class TreeDraftProposer:
         """
         ib = runner.input_batch
         live = set(ib.req_ids)
-        for gone in [r for r in {*self.sessions, *self.lookups} if r not in live]:
+        if accepted and self.source_stats is not None:
+            self._count_sources(accepted)
+        for gone in [r for r in {*self.sessions, *self.lookups, *self.trees} if r not in live]:
             self.sessions.pop(gone, None)  # finished or preempted
             self.lookups.pop(gone, None)
             self.trees.pop(gone, None)
+            self.sources.pop(gone, None)
         budget = getattr(scheduler_output, "num_spec_tokens_to_schedule", None)
         budget = self.spec.max_nodes if budget is None else min(budget, self.spec.max_nodes)
         drafts, probs = [], {}  # probs: row -> q [K, V] of sampled chains
@@ -157,6 +172,7 @@ class TreeDraftProposer:
             if not sampled or budget == 0 or (self.tree_mode and self._unsupported(runner, req_id)):
                 drafts.append([])  # partial prefill chunk, no budget, or params trees cannot honour
                 self.trees.pop(req_id, None)
+                self.sources.pop(req_id, None)
                 continue
             spec = self.spec_for(budget)
             params = None if self.tree_mode else self._sampled_params(runner, req_id)
@@ -167,8 +183,9 @@ class TreeDraftProposer:
             if spec.lookup:
                 index = self.lookups.setdefault(req_id, LookupIndex())
                 index.sync(ib.token_ids_cpu[i, : ib.num_tokens_no_spec[i]])  # a view: O(new)
-                tree = draft_hybrid(sampled[-1], session, spec, index, self.rates,
-                                    device=hidden_states.device).tree
+                hybrid = draft_hybrid(sampled[-1], session, spec, index, self.rates,
+                                      device=hidden_states.device)
+                tree, self.sources[req_id] = hybrid.tree, hybrid.sources
             else:
                 tree = draft_tree(sampled[-1], session, spec, self.rates,
                                   device=hidden_states.device)
@@ -180,6 +197,21 @@ class TreeDraftProposer:
                 "treedraft: chains of sampling requests draw drafts from the head's q and pass "
                 "q to vLLM's rejection sampler as draft probabilities")
         return drafts
+
+    def _count_sources(self, accepted: dict[str, list[int]]) -> None:
+        """Accepted nodes of the trees verified this step, by the source that proposed them
+        (a head's tree without lookup: all 'head')."""
+        total = dict.fromkeys(("head", "lookup", "both"), 0)
+        for req_id, nodes in accepted.items():
+            src = self.sources.get(req_id)
+            if not nodes or req_id not in self.trees:
+                continue
+            if src is None:
+                total["head"] += len(nodes)
+                continue
+            for k, v in accepted_by_source(src, nodes).items():
+                total[k] += v
+        self.source_stats.add(total)
 
     def _commit(self, runner, scheduler_output, i: int, req_id: str, n: int, sampled,
                 hidden_states, aux_hidden_states, accepted):

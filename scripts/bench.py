@@ -103,6 +103,7 @@ def _row(config: str, job: dict, res: dict) -> dict:
         "mean_acceptance_length": spec["mean_acceptance_length"],
         "acceptance_per_depth": [a / steps for a in spec["accepted_per_pos"]] if steps else [],
         "mean_tree_size": spec["draft_tokens"] / steps if steps else None,
+        "accepted_by_source": spec.get("accepted_by_source") or None,  # trees: head/lookup/both
     }
 
 

@@ -28,6 +28,7 @@ SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_toke
                  "vllm:spec_decode_num_accepted_tokens")
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 PREEMPTIONS = "vllm:num_preemptions"
+BY_SOURCE = "vllm:treedraft_accepted_tokens_by_source"  # label source: head / lookup / both
 
 
 def engine_env() -> dict[str, str]:
@@ -83,11 +84,14 @@ def _report(event: dict) -> None:
 def spec_counters(llm) -> dict:
     out = {name: 0 for name in (*SPEC_COUNTERS, PREEMPTIONS)}
     out[PER_POS] = []
+    out[BY_SOURCE] = {}
     for m in llm.get_metrics():
         if m.name in SPEC_COUNTERS or m.name == PREEMPTIONS:
             out[m.name] = m.value
         elif m.name == PER_POS:
             out[PER_POS] = list(m.values)
+        elif m.name == BY_SOURCE:
+            out[BY_SOURCE][m.labels["source"]] = m.value
     return out
 
 
@@ -100,6 +104,9 @@ def counter_delta(before: dict, after: dict) -> dict:
     return {"drafts": drafts, "draft_tokens": draft_tokens, "accepted": accepted,
             "preemptions": after[PREEMPTIONS] - before[PREEMPTIONS],
             "accepted_per_pos": per_pos,
+            # tree mode: accepted draft tokens by the source that proposed them
+            "accepted_by_source": {k: v - before[BY_SOURCE].get(k, 0)
+                                   for k, v in after[BY_SOURCE].items()},
             "mean_acceptance_length": 1 + accepted / drafts if drafts else None}
 
 

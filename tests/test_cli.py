@@ -100,6 +100,7 @@ def test_bench_configs_rows_and_table():
                {"tokens": [[1, 2, 3], [4, 5]], "wave_seconds": [0.5], "spec": spec})
     assert row["tokens_per_s"] == 10 and row["tpot_ms"] == pytest.approx(500 / 3)
     assert row["acceptance_per_depth"] == [1.0, 0.0, 0.0] and row["mean_tree_size"] == 3
+    assert row["accepted_by_source"] is None  # chains: vLLM verifies, no sources
     row["speedup"] = 1.5
     assert "| chain=3 | 0 | 2 | 10.0 | 166.7 | 1.50x | 2.00 | 3.0 |" in markdown([row])
 

@@ -164,8 +164,12 @@ def test_greedy_outputs_identical_to_no_speculation(runs, name, prompts, target)
         assert res["spec"]["preemptions"] > 0, "the small KV cache did not force preemption"
         # some trees were scheduled only in part
         assert res["spec"]["draft_tokens"] < 16 * res["spec"]["drafts"]  # 10 head + 6 lookup
-    if name == "lookup":  # no head: every accepted draft came from prompt lookup
-        assert res["spec"]["accepted"] > 0, res["spec"]
+    if name in ("tree", "lookup"):  # /metrics by source: every accepted token has one
+        by_source = res["spec"]["accepted_by_source"]
+        assert sum(by_source.values()) >= res["spec"]["accepted"] > 0, res["spec"]
+        assert by_source["lookup"] + by_source["both"] > 0, by_source  # lookup was accepted
+        if name == "lookup":  # no head: every accepted draft came from prompt lookup
+            assert by_source["head"] == by_source["both"] == 0, by_source
     if name != "chain":  # trees were drafted: more draft tokens than verify steps
         assert res["spec"]["draft_tokens"] > res["spec"]["drafts"]
 

