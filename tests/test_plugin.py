@@ -28,7 +28,7 @@ EXPAND = "vllm.utils.cpu_triton_utils:_expand_kernel_impl"
 
 def _load_vllm_ops() -> None:
     """vLLM's C++ ops as vLLM loads them: the build for this CPU (_C, _C_AVX512 or _C_AVX2).
-    Importing `vllm._C` by name loads the AVX-512/AMX build and dies with SIGILL on AVX2."""
+    Importing the AVX-512/AMX build by its module name dies with SIGILL on an AVX2 CPU."""
     from vllm.platforms import current_platform
 
     current_platform.import_kernels()
