@@ -32,6 +32,7 @@ from .tree import MAX_TREE_DEPTH, Device, DraftTree
 
 HEAD, LOOKUP = 1, 2  # node source bits; HEAD | LOOKUP = both proposed it
 SOURCE_NAMES = {HEAD: "head", LOOKUP: "lookup", HEAD | LOOKUP: "both"}
+SOURCES = tuple(SOURCE_NAMES.values())  # labels of accepted-by-source counts
 DEFAULT_MIN_N, DEFAULT_MAX_N = 1, 4  # n-gram lengths matched (longest first)
 MAX_OCCURRENCES = 32  # most recent occurrences read per n-gram: bounds a step's cost
 
@@ -163,7 +164,7 @@ def merge_trees(head_tree: DraftTree | None, root_token: int, chains: Sequence[S
 def accepted_by_source(sources: torch.Tensor | Sequence[int], accepted: Sequence[int]) -> dict:
     """Accepted draft tokens of one step counted by source: {'head': a, 'lookup': b, 'both': c}."""
     src = sources.tolist() if isinstance(sources, torch.Tensor) else list(sources)
-    out = dict.fromkeys(SOURCE_NAMES.values(), 0)
+    out = dict.fromkeys(SOURCES, 0)
     for node in accepted:
         out[SOURCE_NAMES[src[node]]] += 1
     return out

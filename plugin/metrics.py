@@ -31,11 +31,12 @@ from pathlib import Path
 
 from vllm.v1.spec_decode.metrics import SpecDecodingProm
 
+from treedraft.heads.lookup import SOURCES
+
 from .patching import Patch
 
 ACTIVE = False  # set by plugin/config.py when --speculative-config names a treedraft head
 STATS_ENV = "TREEDRAFT_SOURCE_STATS"  # path of the accepted-by-source counts file
-SOURCES = ("head", "lookup", "both")
 
 
 def new_stats_path() -> str:

@@ -31,7 +31,7 @@ import os
 import torch
 from vllm.logger import init_logger
 
-from treedraft.heads.lookup import LookupIndex, accepted_by_source, draft_hybrid
+from treedraft.heads.lookup import SOURCES, LookupIndex, accepted_by_source, draft_hybrid
 from treedraft.heads.sampling import draft_chain
 from treedraft.heads.tree import DraftTree, draft_tree, parse_tree_spec
 
@@ -201,7 +201,7 @@ class TreeDraftProposer:
     def _count_sources(self, accepted: dict[str, list[int]]) -> None:
         """Accepted nodes of the trees verified this step, by the source that proposed them
         (a head's tree without lookup: all 'head')."""
-        total = dict.fromkeys(("head", "lookup", "both"), 0)
+        total = dict.fromkeys(SOURCES, 0)
         for req_id, nodes in accepted.items():
             src = self.sources.get(req_id)
             if not nodes or req_id not in self.trees:
