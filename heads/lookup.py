@@ -170,10 +170,10 @@ def accepted_by_source(sources: torch.Tensor | Sequence[int], accepted: Sequence
     return out
 
 
-def draft_hybrid(root_token: int, expander, spec, index: LookupIndex,
+def draft_hybrid(root_token: int, expander, spec, index: LookupIndex | None,
                  acceptance_rates=None, device: Device = None) -> HybridTree:
     """The tree `spec` asks for: the head's tree (if any) plus up to spec.lookup lookup nodes
-    proposed from `index` (whose history must end with `root_token`; unused without lookup)."""
+    proposed from `index` (whose history must end with `root_token`; None without lookup)."""
     from .tree import draft_tree
 
     if spec.lookup and index.tokens and index.tokens[-1] != int(root_token):

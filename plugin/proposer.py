@@ -33,7 +33,7 @@ from vllm.logger import init_logger
 
 from treedraft.heads.lookup import SOURCES, LookupIndex, accepted_by_source, draft_hybrid
 from treedraft.heads.sampling import draft_chain
-from treedraft.heads.tree import DraftTree, draft_tree, parse_tree_spec
+from treedraft.heads.tree import DraftTree, parse_tree_spec
 
 from .config import KEY
 
@@ -180,15 +180,13 @@ class TreeDraftProposer:
                 chain, probs[i] = draft_chain(sampled[-1], session, spec.max_nodes, params)
                 drafts.append(chain.tokens[1:].tolist())
                 continue
+            index = None
             if spec.lookup:
                 index = self.lookups.setdefault(req_id, LookupIndex())
                 index.sync(ib.token_ids_cpu[i, : ib.num_tokens_no_spec[i]])  # a view: O(new)
-                hybrid = draft_hybrid(sampled[-1], session, spec, index, self.rates,
-                                      device=hidden_states.device)
-                tree, self.sources[req_id] = hybrid.tree, hybrid.sources
-            else:
-                tree = draft_tree(sampled[-1], session, spec, self.rates,
+            hybrid = draft_hybrid(sampled[-1], session, spec, index, self.rates,
                                   device=hidden_states.device)
+            tree, self.sources[req_id] = hybrid.tree, hybrid.sources
             self.trees[req_id] = tree  # make_request keeps the scheduled prefix
             drafts.append(tree.tokens[1 : budget + 1].tolist())
         self.last_draft_probs = self._draft_probs(runner, drafts, probs) if probs else None
@@ -199,15 +197,11 @@ class TreeDraftProposer:
         return drafts
 
     def _count_sources(self, accepted: dict[str, list[int]]) -> None:
-        """Accepted nodes of the trees verified this step, by the source that proposed them
-        (a head's tree without lookup: all 'head')."""
+        """Accepted nodes of the trees verified this step, by the source that proposed them."""
         total = dict.fromkeys(SOURCES, 0)
         for req_id, nodes in accepted.items():
             src = self.sources.get(req_id)
-            if not nodes or req_id not in self.trees:
-                continue
-            if src is None:
-                total["head"] += len(nodes)
+            if not nodes or src is None:
                 continue
             for k, v in accepted_by_source(src, nodes).items():
                 total[k] += v
