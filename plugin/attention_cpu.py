@@ -89,7 +89,7 @@ class TreeCPUAttentionBackendImpl(CPUAttentionBackendImpl):
                               output_scale, output_block_scale)
         if attn_metadata is None:
             return out
-        step = tree_step.current(attn_metadata.num_actual_tokens)
+        step = tree_step.of_metadata(attn_metadata)  # set by this engine's runner
         trees = step.trees if step is not None else ()
         if trees and (self.alibi_slopes is not None or self.sliding_window != -1
                       or self.logits_soft_cap or self.sinks is not None):

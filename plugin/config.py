@@ -101,7 +101,7 @@ def rewrite(engine_args, target_model_config) -> None:
     head_dir = _head_dir(sc.get("model"))
     if head_dir is None:
         if sc.get("method") == KEY and not sc.get("model"):
-            return _rewrite_lookup_only(engine_args, sc)
+            return _rewrite_lookup_only(engine_args, sc, target_model_config)
         if sc.get("method") == KEY:
             raise ValueError(
                 f"--speculative-config: method 'treedraft' needs 'model' to be a treedraft head "
@@ -132,10 +132,11 @@ def rewrite(engine_args, target_model_config) -> None:
                 f"{head.config.num_heads} heads; use a tree at most {head.config.num_heads} deep"
             )
     _check_platform(spec)
+    _check_target(spec, target_model_config)
     _finish(engine_args, sc, spec, {"head_dir": str(head_dir), "head_type": head.head_type})
 
 
-def _rewrite_lookup_only(engine_args, sc: dict) -> None:
+def _rewrite_lookup_only(engine_args, sc: dict, target_model_config) -> None:
     """{"method": "treedraft", "tree": "lookup:N"}: prompt lookup verified as trees, no head."""
     from treedraft.heads.tree import parse_tree_spec
 
@@ -151,6 +152,7 @@ def _rewrite_lookup_only(engine_args, sc: dict) -> None:
         raise ValueError(f"--speculative-config: num_speculative_tokens={k} disagrees with tree "
                          f"{spec.to_string()!r} ({spec.max_nodes} nodes); drop it")
     _check_platform(spec)
+    _check_target(spec, target_model_config)
     _finish(engine_args, sc, spec, {"head_dir": None, "head_type": None})
 
 
@@ -165,11 +167,47 @@ def _check_platform(spec) -> None:
         )
 
 
+SINK_MODEL_TYPES = ("gpt_oss",)  # attention with learned sinks
+
+
+def tree_unsupported_target(model_config) -> list[str]:
+    """What in the target's attention the tree path cannot serve (empty: nothing).
+
+    Tree rows get positions root + depth and an ancestor mask (plugin/attention_cpu.py); that
+    holds for plain causal softmax attention with RoPE (or no position encoding) and a KV cache."""
+    hf = model_config.hf_text_config
+    window = model_config.get_sliding_window()
+    checks = {
+        "MLA attention (its backend is not overridden: siblings would see each other)":
+            model_config.use_mla,
+        "M-RoPE positions (read from mrope_positions, not the tree's depths)":
+            model_config.uses_mrope,
+        "Mamba / linear-attention layers (recurrent state has no tree form)":
+            model_config.is_hybrid or model_config.is_attention_free,
+        f"sliding-window attention (window {window})":
+            window is not None and getattr(hf, "use_sliding_window", True) is not False,
+        "attention logit soft-capping": bool(getattr(hf, "attn_logit_softcapping", None)),
+        "ALiBi position biases": model_config.uses_alibi,
+        "attention sinks": getattr(hf, "model_type", None) in SINK_MODEL_TYPES,
+    }
+    return [k for k, v in checks.items() if v]
+
+
+def _check_target(spec, model_config) -> None:
+    """Refuse, at startup, a branching tree for a target whose attention trees cannot serve."""
+    bad = [] if spec.is_chain else tree_unsupported_target(model_config)
+    if bad:
+        k = spec.max_nodes
+        raise NotImplementedError(
+            f"tree {spec.to_string()!r}: the target {model_config.model} uses {'; '.join(bad)}, "
+            f"which treedraft's tree verification does not support; use a chain ('chain:{k}' or "
+            f"num_speculative_tokens={k} without 'tree'), verified by vLLM's own sampler")
+
+
 def _finish(engine_args, sc: dict, spec, head: dict) -> None:
     """The rewritten config: vLLM's custom_class proposer with the tree's node budget."""
     from . import metrics
 
-    metrics.ACTIVE = True  # this process serves treedraft drafts: tree metrics on
     metrics.new_stats_path()  # accepted-by-source counts, worker -> this frontend
     sc.update(method="custom_class", model=PROPOSER, num_speculative_tokens=spec.max_nodes)
     for attr in FLAGS.values():  # merged into sc above

@@ -9,7 +9,8 @@ new data crosses processes:
 - `vllm:treedraft_tree_size{nodes=n}`: verify steps with an n-node tree.
 
 Mean acceptance length is vLLM's (1 + accepted / drafts); the log line gains the depth
-histogram and the mean tree size. Active only when a treedraft head is configured.
+histogram and the mean tree size (any spec-decoding engine). The /metrics counters exist only
+for engines whose own speculative config is treedraft's proposer (`is_treedraft`).
 
 One counter needs data only the worker has: which source proposed each accepted node of a tree
 (`heads.lookup`: head, lookup, or both). `vllm:treedraft_accepted_tokens_by_source{source}`
@@ -35,7 +36,6 @@ from treedraft.heads.lookup import SOURCES
 
 from .patching import Patch
 
-ACTIVE = False  # set by plugin/config.py when --speculative-config names a treedraft head
 STATS_ENV = "TREEDRAFT_SOURCE_STATS"  # path of the accepted-by-source counts file
 
 
@@ -82,11 +82,20 @@ def exact_counts(total: int, more_than: list[int]) -> list[int]:
     return [above[v] - (above[v + 1] if v + 1 < len(above) else 0) for v in range(len(above))]
 
 
+def is_treedraft(speculative_config) -> bool:
+    """Whether this engine's drafts are treedraft's (its own config says so, not the process)."""
+    from .config import PROPOSER
+
+    return (speculative_config is not None and speculative_config.method == "custom_class"
+            and speculative_config.model == PROPOSER)
+
+
 class TreedraftSpecDecodingProm(SpecDecodingProm):
     def __init__(self, speculative_config, labelnames, per_engine_labelvalues,
                  is_diffusion: bool = False):
         super().__init__(speculative_config, labelnames, per_engine_labelvalues, is_diffusion)
-        self.treedraft = ACTIVE and self.spec_decoding_enabled and not is_diffusion
+        self.treedraft = (self.spec_decoding_enabled and not is_diffusion
+                          and is_treedraft(speculative_config))
         if not self.treedraft:
             return
         n = speculative_config.num_speculative_tokens
@@ -131,7 +140,7 @@ class TreedraftSpecDecodingProm(SpecDecodingProm):
 
 def _wrap_log(original):
     def log(self, log_fn=None):
-        if ACTIVE and self.num_drafts:
+        if self.num_drafts:  # any spec-decoding engine: the histogram is vLLM's own data
             import numpy as np
 
             drafts = int(np.sum(self.num_drafts))

@@ -137,7 +137,8 @@ class TreeDraftProposer:
     def _unsupported(self, runner, req_id: str) -> bool:
         from .sampler import tree_unsupported
 
-        return tree_unsupported(runner.requests[req_id].sampling_params) is not None
+        return tree_unsupported(runner.requests[req_id].sampling_params,
+                                runner.sampler.logprobs_mode) is not None
 
     # -------------------------------------------------------------- one step
     @torch.no_grad()
@@ -177,7 +178,9 @@ class TreeDraftProposer:
             spec = self.spec_for(budget)
             params = None if self.tree_mode else self._sampled_params(runner, req_id)
             if params is not None:
-                chain, probs[i] = draft_chain(sampled[-1], session, spec.max_nodes, params)
+                # a seeded request draws its drafts from its own generator (reproducible)
+                chain, probs[i] = draft_chain(sampled[-1], session, spec.max_nodes, params,
+                                              ib.generators.get(i))
                 drafts.append(chain.tokens[1:].tolist())
                 continue
             index = None

@@ -8,12 +8,23 @@ drafter is a TreeDraftProposer.
   HF hidden_states[k]); vLLM would read them from a draft model config, which custom_class lacks.
 - `propose_draft_token_ids`: call the proposer with hidden states (custom_class gets none) and
   hand its draft probabilities (sampled chains) to vLLM's rejection sampler.
+- `_input_fits_in_drafter`: always true for the treedraft proposer. vLLM skips the drafter for the
+  *whole batch* when one request is near `max_model_len` (EAGLE's own KV would overflow) and
+  schedules placeholder drafts of token 0 for everyone; our head keeps no KV in vLLM's pool and
+  the scheduler already cuts each request's drafts to fit `max_model_len`.
+- `sample_tokens`: seeded requests in a partial prefill chunk. vLLM samples a token for them and
+  throws it away, then rewinds the request's generator with `set_offset`, which CPU generators
+  do not support ("CPU Generator does not use offset": the engine dies). Their generators are
+  held out of the step instead (the thrown-away token is drawn from the global generator), so
+  the seeded stream is untouched, which is what the rewind means.
 
 Tree mode only (a branching tree spec):
-- `_prepare_inputs`: build the step's `TreeStep` from the scheduled drafts and the proposer's
-  trees; overwrite the tree rows' positions with root_pos + depth. This runs after vLLM computed
+- `_prepare_inputs`: build the step's `TreeStep` (kept on this runner) from the scheduled drafts
+  and the proposer's trees; overwrite the tree rows' positions with root_pos + depth. This runs after vLLM computed
   the slot mapping from the sequential positions, so nodes keep distinct sequential slots and
   only RoPE (and the attention mask, plugin/attention_cpu.py) see the tree.
+- `_build_attention_metadata`: the runner's step rides in its attention metadata, where the
+  attention backend reads it (no module-level state: one process may hold several engines).
 - `_sample`: verify every drafted request's tree (plugin/sampler.py), then move the accepted
   path's K/V to sequential slots (plugin/kv.py) before vLLM's bookkeeping.
 """
@@ -54,11 +65,11 @@ def _wrap_propose(original):
             return original(self, scheduler_output, sampled_token_ids, sampling_metadata,
                             hidden_states, sample_hidden_states, aux_hidden_states,
                             *args, **kwargs)
-        step = tree_step.current()
+        step = tree_step.of_runner(self)
         accepted = step.accepted if step is not None and self.drafter.tree_mode else None
         drafts = self.drafter.propose_step(self, scheduler_output, sampled_token_ids,
                                            hidden_states, aux_hidden_states, accepted)
-        tree_step.begin(None)
+        setattr(self, tree_step.STEP_ATTR, None)
         # Sampled chains: q for vLLM's rejection sampler (read back by _get_spec_decode_draft_probs
         # at the next step); None = argmax drafts everywhere, vLLM's one-hot q.
         probs = self.drafter.last_draft_probs
@@ -69,14 +80,40 @@ def _wrap_propose(original):
     return propose_draft_token_ids
 
 
+def _wrap_fits(original):
+    def _input_fits_in_drafter(self, common_attn_metadata):
+        return True if _ours(self) else original(self, common_attn_metadata)
+
+    return _input_fits_in_drafter
+
+
+def _wrap_sample_tokens(original):
+    def sample_tokens(self, grammar_output):
+        gens = self.input_batch.generators
+        n = self.input_batch.num_reqs
+        held = {int(i): gens.pop(int(i)) for i in self.discard_request_mask.np[:n].nonzero()[0]
+                if int(i) in gens and gens[int(i)].device.type == "cpu"}
+        try:
+            return original(self, grammar_output)
+        finally:
+            gens.update(held)
+
+    return sample_tokens
+
+
 def build_step(runner, scheduler_output) -> tree_step.TreeStep:
+    from .sampler import tree_unsupported
+
     ib = runner.input_batch
     step = tree_step.TreeStep(scheduler_output.total_num_scheduled_tokens)
     qsl = runner.query_start_loc.np
+    mode = runner.sampler.logprobs_mode
     for i, req_id in enumerate(ib.req_ids):
         drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
         if not drafts:
             continue
+        if tree_unsupported(runner.requests[req_id].sampling_params, mode):
+            drafts = []  # not drafted by us (we give such requests none): vLLM samples the root
         qs, root_pos = int(qsl[i]), int(ib.num_computed_tokens_cpu[i])
         req = tree_step.make_request(i, req_id, qs, root_pos, int(ib.token_ids_cpu[i, root_pos]),
                                      drafts, runner.drafter.trees.get(req_id))
@@ -90,10 +127,20 @@ def _wrap_prepare_inputs(original):
     def _prepare_inputs(self, scheduler_output, *args, **kwargs):
         result = original(self, scheduler_output, *args, **kwargs)
         if _ours(self) and self.drafter.tree_mode:
-            tree_step.begin(build_step(self, scheduler_output))
+            setattr(self, tree_step.STEP_ATTR, build_step(self, scheduler_output))
         return result
 
     return _prepare_inputs
+
+
+def _wrap_build_attention_metadata(original):
+    def _build_attention_metadata(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        if _ours(self) and self.drafter.tree_mode:
+            tree_step.attach(result[0], tree_step.of_runner(self))
+        return result
+
+    return _build_attention_metadata
 
 
 def _wrap_sample(original):
@@ -110,7 +157,7 @@ def _wrap_sample(original):
         from .kv import compact_accepted
         from .sampler import verify_trees
 
-        step = tree_step.current()
+        step = tree_step.of_runner(self)
         out = verify_trees(self, logits, spec_decode_metadata, step)
         if step is not None:
             compact_accepted(self, step)
@@ -126,10 +173,16 @@ WORKER_PATCHES = [
           "treedraft proposer receives target hidden states"),
     Patch(f"{RUNNER}._sample", _wrap_sample,
           "tree verification and accepted-path KV compaction; steps without drafts"),
+    Patch(f"{RUNNER}._input_fits_in_drafter", _wrap_fits,
+          "the treedraft head drafts for every batch (vLLM skipped it near max_model_len)"),
+    Patch(f"{RUNNER}.sample_tokens", _wrap_sample_tokens,
+          "seeded requests in a partial prefill keep their CPU generator untouched"),
 ]
 TREE_PATCHES = [
     Patch(f"{RUNNER}._prepare_inputs", _wrap_prepare_inputs,
           "tree drafts get positions root + depth (slots stay sequential)"),
+    Patch(f"{RUNNER}._build_attention_metadata", _wrap_build_attention_metadata,
+          "the runner's tree step travels in its own attention metadata"),
 ]
 
 
@@ -140,3 +193,8 @@ def install(tree_mode: bool) -> None:
 
         register()
         apply(TREE_PATCHES)
+        # vLLM caches the backend choice per process: an engine built earlier in this process
+        # (VLLM_ENABLE_V1_MULTIPROCESSING=0) must not hand this one the causal-only class.
+        from vllm.v1.attention.selector import _cached_get_attn_backend
+
+        _cached_get_attn_backend.cache_clear()

@@ -55,10 +55,19 @@ def heads_params(sp):
     return SamplingParams(temperature=temperature, top_k=top_k, top_p=float(sp.top_p))
 
 
-def tree_unsupported(sp) -> str | None:
-    """Why a request cannot be verified as a tree (it then gets no drafts), or None."""
+RAW_LOGPROBS_MODES = ("raw_logprobs", "raw_logits")  # read off the target's raw logits rows
+
+
+def tree_unsupported(sp, logprobs_mode: str = "raw_logprobs") -> str | None:
+    """Why a request cannot be verified as a tree (it then gets no drafts and is sampled by vLLM's
+    own sampler at its root row), or None. Tree verification applies temperature, top-k and top-p;
+    anything else that changes the target's distribution, or needs more than the sampled tokens'
+    raw logprobs, is vLLM's sampler's job."""
     checks = {
-        "logprobs": sp.logprobs is not None or sp.prompt_logprobs is not None,
+        "logprobs in a processed logprobs mode": (sp.logprobs is not None
+                                                  and logprobs_mode not in RAW_LOGPROBS_MODES),
+        "prompt_logprobs": sp.prompt_logprobs is not None,
+        "logprob_token_ids": bool(sp.logprob_token_ids),
         "penalties": (sp.presence_penalty != 0 or sp.frequency_penalty != 0
                       or sp.repetition_penalty != 1),
         "min_p": sp.min_p > 0,
@@ -67,9 +76,38 @@ def tree_unsupported(sp) -> str | None:
         "bad_words": bool(sp.bad_words),
         "min_tokens": sp.min_tokens > 0,
         "structured outputs": sp.structured_outputs is not None,
+        "thinking_token_budget": sp.thinking_token_budget is not None,
+        "watermarking": bool(sp.watermarking),
+        "extra_args (custom logits processors)": bool(sp.extra_args),
     }
     bad = [k for k, v in checks.items() if v]
     return ", ".join(bad) or None
+
+
+def _path_logprobs(runner, logits: torch.Tensor, rows: list[int], tokens: list[int], width: int):
+    """vLLM's LogprobsTensors of `tokens`, each read off the target's raw logits row in `rows`
+    (the row the token was sampled from), `width - 1` top logprobs each."""
+    raw = logits[rows].float()
+    lp = raw if runner.sampler.logprobs_mode == "raw_logits" else runner.sampler.compute_logprobs(raw)
+    return runner.sampler.gather_logprobs(lp, width - 1, torch.tensor(tokens, device=lp.device))
+
+
+def _batch_logprobs(plain, paths: dict[int, tuple], B: int, S1: int):
+    """[B * S1] logprobs rows in the layout of the output tokens (vLLM keeps the rows of the
+    accepted tokens): row 0 of each request from vLLM's own sampler, accepted paths of tree
+    requests that asked for logprobs from their tree rows (`paths`: i -> LogprobsTensors)."""
+    from vllm.v1.outputs import LogprobsTensors
+
+    ids, lps, ranks = plain.logprob_token_ids, plain.logprobs, plain.selected_token_ranks
+    out_ids = ids.new_zeros(B, S1, ids.shape[1])
+    out_lps = lps.new_zeros(B, S1, lps.shape[1])
+    out_ranks = ranks.new_zeros(B, S1)
+    out_ids[:, 0], out_lps[:, 0], out_ranks[:, 0] = ids, lps, ranks
+    for i, t in paths.items():
+        n = t.logprobs.shape[0]
+        out_ids[i, :n], out_lps[i, :n], out_ranks[i, :n] = (t.logprob_token_ids, t.logprobs,
+                                                            t.selected_token_ranks)
+    return LogprobsTensors(out_ids.flatten(0, 1), out_lps.flatten(0, 1), out_ranks.flatten())
 
 
 def verify_trees(runner, logits: torch.Tensor, meta, step) -> object:
@@ -78,41 +116,44 @@ def verify_trees(runner, logits: torch.Tensor, meta, step) -> object:
     Rows of request r in `logits`: its n_r draft rows then its bonus row, i.e. the target's
     logits after each tree node [root, n1..nN] in node order, which is what `verify_tree` takes.
     Requests without (valid) drafts keep vLLM's own sampler (all its sampling parameters apply).
-    Output: [B, max_spec_len + 1] int32, accepted path tokens then the next token, -1 padded.
+    Output: [B, max_spec_len + 1] int32, accepted path tokens then the next token, -1 padded;
+    logprobs (when any request asked) in the same layout, the target's for every output token.
     """
-    from dataclasses import replace
-
     from vllm.v1.outputs import SamplerOutput
 
     from treedraft.heads.sampling import verify_tree
 
     sm = runner.input_batch.sampling_metadata
-    B = len(meta.num_draft_tokens)
+    B, S1 = len(meta.num_draft_tokens), meta.max_spec_len + 1
     cu = meta.cu_num_sampled_tokens.tolist()
     requests = step.requests if step is not None else {}
-    # vLLM's sampler (all sampling parameters) for requests without valid drafts: at the bonus
-    # row, or at the root row when the drafts were placeholders (-1, e.g. a resumed request).
+    # vLLM's sampler (all sampling parameters, logprobs) for requests without valid drafts: at
+    # the bonus row, or at the root row when the drafts are not ours to verify (placeholders,
+    # or a request whose parameters trees cannot honour: plugin/runner.py build_step).
     rows = meta.bonus_logits_indices.clone()
     for i, req in requests.items():
         if req.size == 1:
             rows[i] = cu[i] - meta.num_draft_tokens[i] - 1
-    plain = runner.sampler(
-        logits=logits[rows],
-        sampling_metadata=replace(sm, max_num_logprobs=-1),
-        predict_bonus_token=True,
-    ).sampled_token_ids[:, 0]  # [B]
-    out = torch.full((B, meta.max_spec_len + 1), -1, dtype=torch.int32, device=logits.device)
-    out[:, 0] = plain.to(torch.int32)
+    plain = runner.sampler(logits=logits[rows], sampling_metadata=sm, predict_bonus_token=True)
+    out = torch.full((B, S1), -1, dtype=torch.int32, device=logits.device)
+    out[:, 0] = plain.sampled_token_ids[:, 0]
+    paths = {}  # i -> logprobs of the accepted path (tree requests that asked for logprobs)
     for i in range(B):
         req = requests.get(i)
         if req is None or req.size == 1:  # no valid drafts: vLLM's own sample stands
             continue
-        end = cu[i]
-        tree_logits = logits[end - meta.num_draft_tokens[i] - 1 : end][: req.size]  # [n+1, V]
-        params = heads_params(runner.requests[req.req_id].sampling_params)
+        root_row = cu[i] - meta.num_draft_tokens[i] - 1
+        tree_logits = logits[root_row : root_row + req.size]  # [n+1, V]
+        sp = runner.requests[req.req_id].sampling_params
         accepted, nxt = verify_tree(torch.tensor(req.tokens), req.parents, tree_logits.float(),
-                                    params, sm.generators.get(i))
+                                    heads_params(sp), sm.generators.get(i))
         path = [req.tokens[a] for a in accepted] + [nxt]
         out[i, : len(path)] = torch.tensor(path, dtype=torch.int32)
         step.accepted[req.req_id] = accepted
-    return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None)
+        if sp.logprobs is not None and plain.logprobs_tensors is not None:
+            # token k of the path was drawn from the row of its parent: root, accepted nodes
+            paths[i] = _path_logprobs(runner, logits, [root_row + a for a in [0, *accepted]],
+                                      path, plain.logprobs_tensors.logprobs.shape[1])
+    lt = plain.logprobs_tensors
+    return SamplerOutput(sampled_token_ids=out,
+                         logprobs_tensors=None if lt is None else _batch_logprobs(lt, paths, B, S1))

@@ -1,10 +1,11 @@
 """Per-step tree context shared by the worker-side touch points (positions, attention, sampler).
 
-`runner._prepare_inputs` builds a `TreeStep` for the step being executed; the attention backend
-reads its ancestor masks, the sampler verifies with its parents and records the accepted nodes,
-and the proposer commits those nodes' hidden states. One step runs at a time per worker
-(synchronous scheduling), so a module-level slot is enough; `num_tokens` guards against reusing
-it in any other forward (profiling and warm-up runs).
+`runner._prepare_inputs` builds a `TreeStep` for the step being executed and keeps it on the
+runner that owns the step (`STEP_ATTR`); the runner hands it to its own attention metadata
+(`attach`), from which the attention backend reads the ancestor masks; the sampler verifies with
+its parents and records the accepted nodes, and the proposer commits those nodes' hidden states.
+Nothing is module-global, so two engines in one process never see each other's steps;
+`num_tokens` guards against using a step in any other forward (profiling and warm-up runs).
 """
 
 from __future__ import annotations
@@ -45,7 +46,26 @@ class TreeStep:
         return [r for r in self.requests.values() if not r.is_chain]
 
 
-_current: TreeStep | None = None
+STEP_ATTR = "_treedraft_step"  # runner attribute: the TreeStep being executed, or None
+META_ATTR = "treedraft_tree_step"  # attention metadata attribute: the same step
+
+
+def of_runner(runner) -> TreeStep | None:
+    return getattr(runner, STEP_ATTR, None)
+
+
+def attach(attn_metadata, step: TreeStep | None) -> None:
+    """Give this forward's attention metadata (vLLM's per-layer dict, or a list of them per
+    micro-batch) the step whose tokens it describes; any other forward gets None."""
+    groups = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata]
+    for per_layer in groups:
+        for md in (per_layer or {}).values():
+            n = getattr(md, "num_actual_tokens", None)
+            setattr(md, META_ATTR, step if step is not None and step.num_tokens == n else None)
+
+
+def of_metadata(attn_metadata) -> TreeStep | None:
+    return getattr(attn_metadata, META_ATTR, None)
 
 
 def make_request(req_index: int, req_id: str, qs: int, root_pos: int, root: int,
@@ -71,15 +91,3 @@ def make_request(req_index: int, req_id: str, qs: int, root_pos: int, root: int,
         mask[:, root_pos:] = buf.ancestor_mask
     return TreeRequest(req_index, req_id, qs, root_pos, [root] + drafts, parents, depths,
                        is_chain, mask)
-
-
-def begin(step: TreeStep) -> None:
-    global _current
-    _current = step
-
-
-def current(num_tokens: int | None = None) -> TreeStep | None:
-    """The step being executed, if it has `num_tokens` tokens (None: any)."""
-    if _current is None or (num_tokens is not None and _current.num_tokens != num_tokens):
-        return None
-    return _current

@@ -7,8 +7,11 @@ own `python -m treedraft.scripts.engine REQUEST.json` process. A request names t
     {"name": str, "prompts": [[token ids], ...], "params": {vllm SamplingParams kwargs},
      "batch_size": int | None}    # None: all prompts at once; else waves of batch_size
 
-The child prints one line ``TREEDRAFT_RESULT {...}``: per job the generated token ids, the
-wall time of each wave and the change of vLLM's spec-decode counters during the job. While it
+`params` may also be a list with one dict per prompt (a batch of mixed request shapes).
+
+The child prints one line ``TREEDRAFT_RESULT {...}``: per job the generated token ids, their
+logprobs (per output, the sampled tokens' logprobs; null where the request asked for none), the
+finish reasons, the wall time of each wave and the change of vLLM's spec-decode counters during the job. While it
 runs it prints ``TREEDRAFT_PROGRESS {...}`` lines (engine ready; after each wave: job, tokens),
 which `run_engine` hands to its `progress` callback as they arrive.
 """
@@ -114,20 +117,29 @@ def _run_job(llm, job: dict) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(**job["params"])
     prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
+    raw = job["params"]
+    params = ([SamplingParams(**p) for p in raw] if isinstance(raw, list)
+              else [SamplingParams(**raw)] * len(prompts))
     bs = job.get("batch_size") or len(prompts)
     before = spec_counters(llm)
-    tokens, waves = [], []
+    tokens, logprobs, finish, waves = [], [], [], []
     for i in range(0, len(prompts), bs):
         t = time.perf_counter()
-        outs = llm.generate(prompts[i : i + bs], params, use_tqdm=False)
+        outs = llm.generate(prompts[i : i + bs], params[i : i + bs], use_tqdm=False)
         waves.append(time.perf_counter() - t)
-        new = [list(c.token_ids) for o in outs for c in o.outputs]
-        tokens += new
-        _report({"job": job["name"], "tokens": sum(map(len, new))})
-    return {"tokens": tokens, "wave_seconds": waves,
-            "spec": counter_delta(before, spec_counters(llm))}
+        new = [c for o in outs for c in o.outputs]
+        tokens += [list(c.token_ids) for c in new]
+        logprobs += [None if c.logprobs is None else
+                     # None where an entry is missing or is not the sampled token's
+                     [lp[tok].logprob if tok in lp else None
+                      for tok, lp in zip(c.token_ids, c.logprobs, strict=False)]
+                     + [None] * (len(c.token_ids) - len(c.logprobs))
+                     for c in new]
+        finish += [c.finish_reason for c in new]
+        _report({"job": job["name"], "tokens": sum(len(c.token_ids) for c in new)})
+    return {"tokens": tokens, "logprobs": logprobs, "finish_reasons": finish,
+            "wave_seconds": waves, "spec": counter_delta(before, spec_counters(llm))}
 
 
 def _main(path: str) -> None:

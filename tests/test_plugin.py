@@ -185,11 +185,10 @@ def test_tree_rows_attend_to_prefix_and_ancestors_only():
     assert step.requests[0].is_chain and not step.requests[1].is_chain
 
     causal = impl.forward(layer, q, None, None, kv, meta, torch.zeros_like(q)).clone()
-    tree_step.begin(step)
-    try:
-        out = impl.forward(layer, q, None, None, kv, meta, torch.zeros_like(q))
-    finally:
-        tree_step.begin(None)
+    tree_step.attach({"layer": meta}, tree_step.TreeStep(sum(n_rows) + 1))  # another forward's
+    assert tree_step.of_metadata(meta) is None
+    tree_step.attach({"layer": meta}, step)  # what the runner does for this step's metadata
+    out = impl.forward(layer, q, None, None, kv, meta, torch.zeros_like(q))
     assert torch.equal(out[: n_rows[0]], causal[: n_rows[0]])  # chains keep the C++ result
     anc = {0: [0]}
     for i in range(1, len(parents)):
@@ -242,13 +241,14 @@ def test_make_request_keeps_scheduled_prefix_and_falls_back_to_chains():
 
 
 # ----------------------------------------------------------------------------- config
-def _engine_config(spec: dict, model: str = "smollm2-135m"):
+def _engine_config(spec: dict, model: str = "smollm2-135m", hf_overrides: dict | None = None):
     from vllm.engine.arg_utils import EngineArgs
 
     from treedraft.training.models import resolve_model
 
     args = EngineArgs(model=str(resolve_model(model)), speculative_config=spec,
-                      enforce_eager=True, dtype="float32", max_model_len=1024)
+                      enforce_eager=True, dtype="float32", max_model_len=1024,
+                      **({"hf_overrides": hf_overrides} if hf_overrides else {}))
     return args.create_engine_config()
 
 
@@ -321,3 +321,24 @@ def test_head_of_another_target_is_refused_naming_both_sides(tmp_path):
     (head / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="tokenizer_fingerprint='0123456789abcdef'.*target has"):
         _engine_config({"model": str(head), "num_speculative_tokens": 3})
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"sliding_window": 256}, "sliding-window attention"),
+    ({"attn_logit_softcapping": 30.0}, "soft-capping"),
+    ({"alibi": True}, "ALiBi"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 100000.0,
+                          "mrope_section": [8, 12, 12]}}, "M-RoPE"),
+])
+def test_targets_trees_cannot_serve_are_refused_at_startup(override, message):
+    """The real SmolLM2 config with one attention feature switched on (hf_overrides): a branching
+    tree is refused at startup naming the feature and the chain that works; chains are served."""
+    spec = {"model": "smollm2-135m-eagle", "tree": "dynamic:10,3,3+lookup:6"}
+    with pytest.raises(NotImplementedError, match=message) as e:
+        _engine_config(spec, hf_overrides=override)
+    assert "use a chain ('chain:16'" in str(e.value)
+    with pytest.raises(NotImplementedError, match=message):
+        _engine_config({"method": "treedraft", "tree": "lookup:8"}, hf_overrides=override)
+    chain = _engine_config({"model": "smollm2-135m-eagle", "num_speculative_tokens": 3},
+                           hf_overrides=override)
+    assert chain.additional_config["treedraft"]["tree"] == "chain:3"

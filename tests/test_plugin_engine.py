@@ -11,6 +11,15 @@ One engine per configuration runs the same jobs (tests/../scripts/engine.py):
   step budget for the same 8 requests: preemption happens (counted by vLLM), the step budget
   chunks the prompts and cuts trees to a prefix (fewer scheduled than drafted nodes), and
   outputs are still identical.
+* serving shapes (issue 16): one batch mixing a request that runs into `max_model_len` (vLLM
+  skips its drafter for the whole batch near the end; the requests beside it must still be
+  answered exactly), `allowed_token_ids` with a repetition penalty, `logprobs` and a seeded sampled request whose prompt is
+  prefilled in several chunks, on the pressure engine (max_model_len 512, 64-token steps) and
+  without speculation: greedy outputs identical, every allowed token allowed, one logprob per
+  token equal to no-speculation's, and the engine survives the seeded request.
+* two engines in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0): no speculation, a tree, then
+  the first engine again give identical outputs (the tree engine gets tree attention although
+  vLLM cached the first engine's backend choice; no step state crosses engines).
 * batch-size schedule: vLLM's `num_speculative_tokens_per_batch_size` caps the tree at 2 nodes
   at batch <= 2 and turns drafting off above; outputs are still identical, and the draft counts
   show the cap (single stream: trees of at most 2 nodes; batch 8: no drafts while all 8 run).
@@ -18,7 +27,7 @@ One engine per configuration runs the same jobs (tests/../scripts/engine.py):
   (`treedraft eval`'s reference decoder) for the same head, prompts and tree (chain:3, the
   hybrid tree, lookup alone): number of steps that drafted and accepted count at every depth
   equal within one step per prompt (vLLM may cut a request's last drafts at max_tokens; the reference does not).
-* sampling: 600 samples of the first 3 tokens of a fixed, repetitive prompt at T=0.8/top-p 0.9
+* sampling: 400 samples of the first 3 tokens of a fixed, repetitive prompt at T=0.8/top-p 0.9
   and at T=1/top-k 5; the joint distribution of the 3 tokens with speculation (chain and hybrid
   tree) equals the one without (chi-square homogeneity test, significance 1e-3), and drafts
   were accepted during those jobs (so the spec path really ran). The chain samples its drafts
@@ -42,10 +51,12 @@ HYBRID = "dynamic:10,3,3+lookup:6"
 TREE = {"model": EAGLE, "tree": HYBRID}
 LOOKUP = {"method": "treedraft", "tree": "lookup:8"}
 MEDUSA_TREE = "[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]"
-SAMPLES = 600
-# a short raw prompt (600 prefills stay cheap) that repeats itself, so lookup proposes too
+SAMPLES = 400
+# a short raw prompt (400 prefills stay cheap) that repeats itself, so lookup proposes too
 SAMPLE_TEXT = "The sea is blue and the sky is blue. The sea is"
 SCHEDULE = [[1, 2, 2], [3, 256, 0]]  # batch <= 2: at most 2 draft nodes; above: none
+LONG_PROMPT = 490  # tokens: the serving job's long request reaches max_model_len 512 (pressure)
+NEWLINE = 198  # SmolLM2's "\n"
 PARAMS = {"topp": {"temperature": 0.8, "top_p": 0.9}, "topk": {"temperature": 1.0, "top_k": 5}}
 
 
@@ -82,6 +93,21 @@ def _jobs(prompts, tokenizer, sampling: bool = True) -> list[dict]:
     return jobs
 
 
+def _serving_job(prompts) -> dict:
+    """Request shapes a server receives, in one batch (see the module docstring)."""
+    long = [t for i in (5, 6, 7, 1) for t in prompts[i]][:LONG_PROMPT]
+    greedy = {"temperature": 0, "max_tokens": 48}
+    # constrained: the tokens of a code problem but the newline, for a chat question, and a
+    # repetition penalty (the unconstrained argmax is often outside, or a repeat); seeded: a prompt that is not a prefix of the long one (no prefix-cache hit,
+    # so its prefill is chunked)
+    return {"name": "serving", "prompts": [long, prompts[0], prompts[1], prompts[6]],
+            "params": [{"temperature": 0, "max_tokens": 64, "ignore_eos": True},
+                       {**greedy, "allowed_token_ids": sorted(set(prompts[7]) - {NEWLINE}),
+                        "repetition_penalty": 1.5},
+                       {**greedy, "logprobs": 2},
+                       {"temperature": 0.8, "seed": 7, "max_tokens": 16}]}
+
+
 class Runs(dict):
     """name -> (results, log); each configuration's engine is started on first use."""
 
@@ -101,15 +127,16 @@ class Runs(dict):
 def runs(target, prompts, tokenizer):
     jobs = _jobs(prompts, tokenizer)
     greedy = jobs[:1]
+    serving = _serving_job(prompts)
     small_kv = {"num_gpu_blocks_override": 5, "max_model_len": 512}  # 5 blocks of 128 tokens
     return Runs({
-        "base": (target, None, jobs, None),
+        "base": (target, None, [*jobs, serving], None),
         "chain": (target, CHAIN, jobs, None),
         "tree": (target, TREE, jobs, None),
         "lookup": (target, LOOKUP, jobs[:2], None),
         "medusa": (target, {"model": "smollm2-135m-medusa", "tree": MEDUSA_TREE}, greedy, None),
         # preemption (5 blocks of 128 tokens) and chunked prefill cutting trees (64-token steps)
-        "pressure": (target, TREE, greedy, {**small_kv, "max_num_batched_tokens": 64,
+        "pressure": (target, TREE, [*greedy, serving], {**small_kv, "max_num_batched_tokens": 64,
                                             "max_num_seqs": 8}),
         "schedule": (target, {**TREE, "num_speculative_tokens_per_batch_size": SCHEDULE},
                      [*jobs[:2], {"name": "wide", "prompts": prompts, "params": {
@@ -172,6 +199,26 @@ def test_greedy_outputs_identical_to_no_speculation(runs, name, prompts, target)
             assert by_source["head"] == by_source["both"] == 0, by_source
     if name != "chain":  # trees were drafted: more draft tokens than verify steps
         assert res["spec"]["draft_tokens"] > res["spec"]["drafts"]
+
+
+def test_serving_request_shapes_answered_exactly(runs, prompts, target):
+    base, res = runs["base"][0]["serving"], runs["pressure"][0]["serving"]
+    job = _serving_job(prompts)
+    room = 512 - LONG_PROMPT  # the long request stops at max_model_len on the pressure engine
+    assert len(res["tokens"][0]) == min(room, len(base["tokens"][0])), res["finish_reasons"]
+    expect = [base["tokens"][0][:room], *base["tokens"][1:3]]
+    _check_identical(expect, res["tokens"][:3], job["prompts"], target, "serving")
+    allowed = set(job["params"][1]["allowed_token_ids"])
+    assert res["tokens"][1] and set(res["tokens"][1]) <= allowed, res["tokens"][1]
+    # logprobs: one per generated token, the target's own (equal to no speculation's)
+    got, ref = res["logprobs"][2], base["logprobs"][2]
+    assert got is not None and len(got) == len(res["tokens"][2]) and None not in got, got
+    if res["tokens"][2] == base["tokens"][2]:
+        assert torch.allclose(torch.tensor(got), torch.tensor(ref), atol=1e-3), (got, ref)
+    # the seeded request, prefilled in 64-token chunks, is answered (vLLM's seeded-generator
+    # rewind used to kill the CPU engine here)
+    assert len(res["tokens"][3]) == 16 and res["finish_reasons"][3] == "length"
+    assert res["spec"]["drafts"] > 0  # trees were verified in the same batches
 
 
 def test_batch_size_schedule_caps_drafts(runs, prompts, target):
@@ -242,3 +289,24 @@ def test_sampled_distribution_equals_no_speculation(runs, name, job):
     assert p > 1e-3
     if name == "chain":  # sampled chains drafted from q and handed q to the rejection sampler
         assert "pass q to vLLM's rejection sampler as draft probabilities" in runs[name][1]
+
+
+def test_two_engines_in_one_process_stay_exact(target, prompts):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from treedraft.scripts.engine import engine_env
+
+    request = {"target": target, "spec": TREE, "prompts": prompts[:4], "max_tokens": 32}
+    env = {**engine_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("two_engines.py")),
+                           json.dumps(request)], capture_output=True, text=True, timeout=900,
+                          env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("TREEDRAFT_RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    first, tree, again, drafts = json.loads(lines[-1].split(" ", 1)[1])
+    assert drafts > 0, "the tree engine never drafted"
+    _check_identical(first, tree, prompts[:4], target, "tree after a plain engine")
+    assert again == first, "the plain engine changed after a tree engine ran in its process"
