@@ -7,6 +7,7 @@
     treedraft eval --head none --prompts mtbench    # offline acceptance evaluator (reference decoder)
     treedraft train --config scripts/recipes/tiny-cpu.yaml --max_steps=20   # train a head
     treedraft bench                                 # vLLM: no-spec vs ngram vs chain vs trees
+    treedraft load --url http://127.0.0.1:8000      # mixed request shapes against a vllm serve
 """
 
 from __future__ import annotations
@@ -209,6 +210,21 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 cmd_train.accepts_overrides = True  # main() hands it the unparsed --key=value arguments
+
+
+def _load_args(p: argparse.ArgumentParser) -> None:
+    from treedraft.scripts.load import add_arguments
+
+    add_arguments(p)
+
+
+@command("load", _load_args)
+def cmd_load(args: argparse.Namespace) -> None:
+    """Drive a running `vllm serve` (loopback) with mixed request shapes; JSON report."""
+    from treedraft.scripts.load import run
+
+    if run(args):
+        sys.exit(1)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -130,6 +130,61 @@ def test_init_from_continues_from_a_heads_weights(tiny, tmp_path):
                           + ["--head.draft_vocab_size=128"]))
 
 
+def test_lr_schedules_end_their_decay_with_the_run():
+    from treedraft.training.loop import lr_lambda
+
+    wsd = lr_lambda(2, 10, "wsd", 0.5)  # warmup 2 steps, stable to half-way, then linear to 0
+    assert [round(wsd(s), 3) for s in range(11)] == [
+        0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.75, 0.5, 0.25, 0.0]
+    assert lr_lambda(2, 10)(10) == 0.0 and lr_lambda(2, 10)(6) == pytest.approx(0.5)
+    used = [0.0]  # share of a time budget used: the decay ends when the time runs out
+    timed = lr_lambda(0, 10_000, "wsd", 0.2, clock=lambda: used[0])
+    for share, want in ((0.5, 1.0), (0.9, 0.5), (1.3, 0.0)):
+        used[0] = share
+        assert timed(10) == pytest.approx(want)
+    used[0] = 0.5
+    assert lr_lambda(0, 10_000, clock=lambda: used[0])(10) == pytest.approx(0.5)  # cosine
+
+
+def test_length_buckets_cut_padding_and_keep_every_sequence():
+    import random
+
+    from treedraft.training.distributed import Dist
+    from treedraft.training.loop import DataOrder
+
+    lengths = [random.Random(i).randint(20, 1000) for i in range(400)]
+    d = Dist(rank=0, world=1)
+
+    def epoch(buckets: int, start: dict | None = None):
+        cfg = TrainConfig(batch_size=4, length_buckets=buckets)
+        order = DataOrder(len(lengths), cfg, d, position=start, lengths=lengths)
+        return [order.next() for _ in range(order.per_epoch)], order
+
+    def padding(batches) -> float:
+        pos = sum(4 * max(lengths[i] for i in b) for b in batches)
+        return 1 - sum(lengths[i] for b in batches for i in b) / pos
+
+    plain, _ = epoch(1)
+    bucketed, order = epoch(16)
+    assert sorted(i for b in bucketed for i in b) == list(range(400))  # each sequence once
+    assert padding(bucketed) < padding(plain) / 3, (padding(bucketed), padding(plain))
+    assert bucketed == epoch(16)[0]  # seeded
+    assert order.next() != bucketed[0]  # the next epoch has its own order
+    resumed, _ = epoch(16, {"epoch": 0, "micro": 50})  # a resume continues the same order
+    assert resumed[: len(bucketed) - 50] == bucketed[50:]
+
+
+def test_init_from_does_not_warm_up_again(tiny, tmp_path):
+    first = tmp_path / "first"
+    train(load_config(None, args(tiny, first, max_steps=1)))
+    second = tmp_path / "second"
+    train(load_config(None, args(tiny, second, max_steps=2, warmup_steps=3, schedule="wsd",
+                                 decay_fraction=0.5, init_from=first / "final")))
+    lines = [json.loads(ln) for ln in (second / "train_log.jsonl").read_text().splitlines()]
+    lrs = [r["lr"] for r in lines if "lr" in r]  # the rate for the next step, after each step
+    assert lrs == [pytest.approx(3e-3), 0.0]  # full rate at once, decayed at the last step
+
+
 def test_resume_with_different_config_is_refused(tiny, tmp_path):
     train(cfg_of(tiny, tmp_path, max_steps=2))
     with pytest.raises(ValueError, match=r"different config: lr: 0.003 -> 0.01") as e:

@@ -29,6 +29,7 @@ GEN_ENGINES = ("transformers", "vllm")
 DTYPES = ("float32", "bfloat16")
 COMPUTE_DTYPES = ("auto", *DTYPES)  # auto: from the machine (training/machine.py)
 LONG_PROMPTS = ("error", "skip")
+SCHEDULES = ("cosine", "wsd")
 CONFIG_FILE = "train_config.json"
 
 
@@ -54,11 +55,16 @@ class TrainConfig:
     max_seq_len: int = 1024  # prompt + reply tokens; longer sequences are cut
     # --- optimisation
     batch_size: int = 4  # sequences per micro-batch (per process)
+    length_buckets: int = 16  # micro-batches of similar length: each window of this many
+    # micro-batches of the epoch's shuffled order is sorted by length, then the micro-batches are
+    # shuffled again (1 = plain random batches; padding was ~35% of positions that way)
     grad_accum: int = 1  # micro-batches per optimizer step
     lr: float = 1e-4
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
-    warmup_steps: int = 20
+    warmup_steps: int = 20  # none with init_from: continuing a trained head does not warm up again
+    schedule: str = "cosine"  # cosine | wsd (warmup-stable-decay: constant, then linear to 0)
+    decay_fraction: float = 0.2  # wsd: the last fraction of the run (steps or time) that decays
     max_steps: int | None = None  # None -> epochs over the training sequences
     epochs: float = 1.0
     grad_clip: float = 1.0  # max grad norm; 0 = off
@@ -100,12 +106,12 @@ class TrainConfig:
     def validate(self) -> None:
         """Raise ValueError naming the bad key and its valid values."""
         choices = {"head_type": HEAD_TYPES, "gen_engine": GEN_ENGINES, "dtype": COMPUTE_DTYPES,
-                   "cache_dtype": DTYPES, "long_prompts": LONG_PROMPTS}
+                   "cache_dtype": DTYPES, "long_prompts": LONG_PROMPTS, "schedule": SCHEDULES}
         for key, valid in choices.items():
             if getattr(self, key) not in valid:
                 raise ValueError(f"{key}={getattr(self, key)!r}; valid values: {', '.join(valid)}")
         positive = ["num_prompts", "gen_max_new_tokens", "gen_batch_size", "max_seq_len",
-                    "batch_size", "grad_accum", "unroll_steps", "acceptance_depth",
+                    "batch_size", "length_buckets", "grad_accum", "unroll_steps", "acceptance_depth",
                     "acceptance_topk", "cache_topk", "eval_max_new_tokens"]
         for key in positive:
             if getattr(self, key) < 1:
@@ -114,6 +120,8 @@ class TrainConfig:
             raise ValueError(f"max_steps={self.max_steps} must be >= 1 (or none: use epochs)")
         if self.max_steps is None and self.epochs <= 0:
             raise ValueError(f"epochs={self.epochs} must be > 0 when max_steps is none")
+        if not 0 < self.decay_fraction <= 1:
+            raise ValueError(f"decay_fraction={self.decay_fraction} must be in (0, 1]")
         if self.eval_prompts < 0:
             raise ValueError(f"eval_prompts={self.eval_prompts} must be >= 0")
         if self.data == "mtbench":

@@ -11,7 +11,9 @@ What happens, in order (every bad input fails before the expensive part):
      too-long prompts are refused; the target regenerates the replies (cached in out_dir/data);
   3. with draft_vocab_size the head's vocabulary is the most frequent reply tokens;
   4. steps: target features + soft labels per micro-batch (streamed, or from the optional
-     cache), head loss (losses.py), AdamW with warmup + cosine, grad accumulation and clipping,
+     cache), head loss (losses.py), AdamW with warmup + cosine or warmup-stable-decay (the decay ends
+     with the run: at its last step or when its time limit runs out; no warmup after init_from),
+     grad accumulation and clipping,
      optional bf16 autocast; tqdm shows loss, top-1 agreement and tokens/s (target included);
      every eval_every steps `run_eval` on the held-out prompts logs the mean acceptance length;
      checkpoints every save_every steps (checkpoint.py);
@@ -84,12 +86,23 @@ def choose_draft_vocab(seqs: list[Seq], vocab_size: int, k: int) -> torch.Tensor
     return torch.argsort(-counts, stable=True)[:k]
 
 
-def lr_lambda(warmup: int, total: int):
-    """Linear warmup to 1, then cosine to 0 at `total` steps (s = steps already taken)."""
+def lr_lambda(warmup: int, total: int, schedule: str = "cosine", decay_fraction: float = 0.2,
+              clock=None):
+    """Multiplier of lr after s steps: linear warmup to 1, then `cosine` to 0 at `total` steps, or
+    `wsd` (warmup-stable-decay: 1 until the last `decay_fraction` of the run, then linearly to 0).
+
+    Progress is the share of the steps after warmup taken, or, when `clock` is given (a run with
+    a time limit: the share of its time budget used), whichever is larger, so a run stopped by
+    its time limit has finished its decay when it stops."""
     def f(s: int) -> float:
         if s < warmup:
             return (s + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, (s - warmup) / max(1, total - warmup))))
+        p = min(1.0, (s - warmup) / max(1, total - warmup))
+        if clock is not None:
+            p = max(p, min(1.0, clock()))
+        if schedule == "wsd":
+            return 1.0 if p <= 1 - decay_fraction else max(0.0, (1 - p) / decay_fraction)
+        return 0.5 * (1 + math.cos(math.pi * p))
     return f
 
 
@@ -116,24 +129,47 @@ class Objective(nn.Module):
 
 
 class DataOrder:
-    """Micro-batch indices: a seeded permutation per epoch, sharded by rank; resumable."""
+    """Micro-batch indices: a seeded order per epoch, sharded by rank; resumable.
 
-    def __init__(self, n: int, cfg: TrainConfig, d: Dist, position: dict | None = None):
+    With `length_buckets` > 1 (and the sequences' lengths), each window of that many global
+    micro-batches of the shuffled order is sorted by length and cut into micro-batches, whose
+    order is then shuffled (seeded): sequences batched together have similar lengths, so little
+    of a padded [B, T] batch is padding, while every epoch still visits each sequence once."""
+
+    def __init__(self, n: int, cfg: TrainConfig, d: Dist, position: dict | None = None,
+                 lengths: list[int] | None = None):
         self.n, self.bs, self.d, self.seed = n, cfg.batch_size, d, cfg.seed
         self.per_epoch = n // (cfg.batch_size * d.world)  # global micro-batches per epoch
         if self.per_epoch == 0:
             raise ValueError(f"{n} training sequences < batch_size={cfg.batch_size} x "
                              f"{d.world} processes; add prompts or lower batch_size")
+        self.buckets = cfg.length_buckets if lengths is not None else 1
+        self.lengths = lengths
         self.epoch, self.micro = (position["epoch"], position["micro"]) if position else (0, 0)
+        self._order: tuple[int, list[int]] | None = None  # (epoch, its order)
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        perm = torch.randperm(self.n, generator=g).tolist()
+        if self.buckets <= 1:
+            return perm
+        step = self.bs * self.d.world  # one global micro-batch
+        used = self.per_epoch * step
+        window = step * self.buckets
+        perm = [i for w in range(0, used, window)  # longest first within each window
+                for i in sorted(perm[w : min(w + window, used)], key=lambda i: -self.lengths[i])]
+        groups = [perm[m * step : (m + 1) * step] for m in range(self.per_epoch)]
+        shuffle = torch.randperm(len(groups), generator=g).tolist()
+        return [i for m in shuffle for i in groups[m]]
 
     def next(self) -> list[int]:
-        perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(
-            self.seed * 1_000_003 + self.epoch))
+        if self._order is None or self._order[0] != self.epoch:
+            self._order = (self.epoch, self.epoch_order(self.epoch))
         start = (self.micro * self.d.world + self.d.rank) * self.bs
         self.micro += 1
         if self.micro == self.per_epoch:
             self.epoch, self.micro = self.epoch + 1, 0
-        return perm[start: start + self.bs].tolist()
+        return self._order[1][start: start + self.bs]
 
     def position(self) -> dict:
         return {"epoch": self.epoch, "micro": self.micro}
@@ -175,20 +211,30 @@ def train(cfg: TrainConfig, resume: str | os.PathLike | None = None) -> Path | N
         head.set_draft_vocab(choose_draft_vocab(train_seqs, head.config.target.vocab_size, vd))
     dtype = cfg.compute_dtype(d.device)
     if d.main:
-        print(f"[treedraft] training in {dtype} (dtype={cfg.dtype}; {describe()})", flush=True)
+        print(f"[treedraft] training in {dtype} (dtype={cfg.dtype}; {describe()}); lr "
+              f"{cfg.schedule} schedule, decay finished at "
+              + (f"{cfg.time_limit_minutes} min or " if cfg.time_limit_minutes else "")
+              + "the last step", flush=True)
     autocast = torch.bfloat16 if dtype == "bfloat16" else None
     batch_fn = make_batches(cfg, loaded.model, head, train_seqs, out, autocast)
     measure_seqs = eval_seqs or train_seqs[: cfg.batch_size]
     measure_fn = make_batches(cfg, loaded.model, head, measure_seqs, None, autocast)
 
     optimizer = make_optimizer(head, cfg)
-    order = DataOrder(len(train_seqs), cfg, d)
+    lengths = [len(s.input_ids) for s in train_seqs]
+    order = DataOrder(len(train_seqs), cfg, d, lengths=lengths)
     total = cfg.max_steps or math.ceil(cfg.epochs * order.per_epoch / cfg.grad_accum)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.warmup_steps, total))
+    t_run = time.perf_counter()
+    clock = None if cfg.time_limit_minutes is None else (
+        lambda: (time.perf_counter() - t_run) / (60 * cfg.time_limit_minutes))
+    warmup = 0 if cfg.init_from else cfg.warmup_steps  # a trained head does not warm up again
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(warmup, total, cfg.schedule, cfg.decay_fraction, clock))
     data_fp, step = fingerprint(train_seqs), 0
     if ckpt is not None:
         step = resume_from(ckpt, head, optimizer, scheduler, data_fp)
-        order = DataOrder(len(train_seqs), cfg, d, ckpt_io.load_state(ckpt)["position"])
+        order = DataOrder(len(train_seqs), cfg, d, ckpt_io.load_state(ckpt)["position"],
+                          lengths=lengths)
     model = objective if d.world == 1 else wrap_ddp(objective)
     log = RunLog(out / "train_log.jsonl", d.main, truncate_after=step)
     prov = {"data": {"source": cfg.data, "train_sequences": len(train_seqs),
@@ -204,7 +250,7 @@ def train(cfg: TrainConfig, resume: str | os.PathLike | None = None) -> Path | N
     head.train()
     bar = tqdm(total=total, initial=step, desc=f"train {cfg.head_type}",
                disable=not (cfg.progress and d.main))
-    train_time, run_tokens, started, t_run = 0.0, 0, step, time.perf_counter()
+    train_time, run_tokens, started = 0.0, 0, step
     while step < total:
         t0 = time.perf_counter()
         rec = train_step(model, head, batch_fn, order, optimizer, cfg, d, autocast)
@@ -261,7 +307,7 @@ def train_step(model, head, batch_fn, order: DataOrder, optimizer, cfg: TrainCon
                autocast) -> dict:
     """One optimizer step over grad_accum micro-batches; returns the step's log record."""
     optimizer.zero_grad(set_to_none=True)
-    loss_sum, tokens, top1, kl = 0.0, 0, [], []
+    loss_sum, tokens, positions, top1, kl = 0.0, 0, 0, [], []
     for micro in range(cfg.grad_accum):
         batch = batch_fn(order.next()).to(d.device)
         last = micro == cfg.grad_accum - 1
@@ -273,13 +319,15 @@ def train_step(model, head, batch_fn, order: DataOrder, optimizer, cfg: TrainCon
             (loss / cfg.grad_accum).backward()
         loss_sum += float(loss.detach()) / cfg.grad_accum
         tokens += batch.num_tokens
+        positions += batch.attention.numel()
         top1.append(metrics["top1"])
         kl.append(metrics["kl"])
     grad_norm = nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip or float("inf"))
     optimizer.step()
     mean = lambda rows: [sum(v) / len(v) for v in zip(*rows, strict=True)]  # noqa: E731
     return {"loss": all_sum(d, loss_sum) / d.world, "top1": mean(top1), "kl": mean(kl),
-            "grad_norm": float(grad_norm), "tokens": int(all_sum(d, tokens))}
+            "grad_norm": float(grad_norm), "tokens": int(all_sum(d, tokens)),
+            "padding": 1 - tokens / max(positions, 1)}  # share of padded [B, T] positions
 
 
 def prepare_data(cfg: TrainConfig, loaded, d: Dist) -> tuple[list[Seq], list[Seq], list]:

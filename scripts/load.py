@@ -1,0 +1,250 @@
+"""`treedraft load`: drive a running `vllm serve` with a mix of request shapes; JSON report.
+
+    vllm serve TARGET --port 8000 --speculative-config '{"model": "smollm2-135m-eagle", "tree": "dynamic:16,4,4"}' &
+    treedraft load --url http://127.0.0.1:8000 --clients 8 --requests 48 --out tree.json
+    treedraft load --url http://127.0.0.1:8001 --clients 8 --requests 48 --out plain.json \
+        --compare tree.json                    # T=0 answers must be identical
+
+Loopback only (the tool refuses other hosts), bounded in count and time. Every client runs its
+share of a fixed, seeded workload: streaming and non-streaming, chat and completions, T=0 and
+T>0 with top-k/top-p, stop strings, short max_tokens, logprobs, seeds, n=2, prompts near the
+server's max_model_len, and clients that disconnect mid-stream. The report holds: requests,
+errors by kind, latency percentiles, completion tokens/s, mean acceptance length from /metrics
+(the change during the load), the server's memory before/after (`--server-pid`), and each T=0
+answer (for `--compare`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+KINDS = ("chat", "chat_stream", "completion", "completion_stream", "logprobs", "stop",
+         "short", "seeded", "n2", "near_max_len", "disconnect")
+WORDS = ("the sea river code list prime number function return value city capital France "
+         "Paris write explain why how small model token tree draft verify").split()
+SPEC = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")
+
+
+def workload(n: int, seed: int, max_model_len: int) -> list[dict]:
+    """n request descriptions, the same for a given seed (so two servers get the same load)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        kind = KINDS[i % len(KINDS)]
+        words = rng.choices(WORDS, k=rng.randint(4, 24))
+        prompt = f"Question {i}: " + " ".join(words) + ". Answer briefly."
+        sampled = rng.random() < 0.5 and kind not in ("near_max_len",)
+        req = {"id": i, "kind": kind, "prompt": prompt, "max_tokens": 32,
+               "temperature": 0.8 if sampled else 0.0}
+        if sampled:
+            req.update(top_p=0.9, top_k=20)
+        if kind == "stop":
+            req["stop"] = ["."]
+        elif kind == "short":
+            req["max_tokens"] = 2
+        elif kind == "seeded":
+            req.update(temperature=0.8, top_p=0.9, seed=1000 + i)
+        elif kind == "logprobs":
+            req["logprobs"] = 2
+        elif kind == "n2":
+            req.update(n=2, temperature=0.8, top_k=20)
+        elif kind == "near_max_len":  # about half the context in the prompt (chat, no
+            # max_tokens: the reply may run to the end of the context, the OpenAI default)
+            req["prompt"] = " ".join(rng.choices(WORDS, k=max_model_len // 3))
+            req["max_tokens"] = None
+        out.append(req)
+    return out
+
+
+def _body(req: dict, model: str) -> tuple[str, dict]:
+    keys = ("max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "n")
+    body = {"model": model, **{k: req[k] for k in keys if req.get(k) is not None}}
+    stream = req["kind"] in ("chat_stream", "completion_stream", "disconnect")
+    body["stream"] = stream
+    if req["kind"].startswith("chat") or req["kind"] == "near_max_len":
+        body["messages"] = [{"role": "user", "content": req["prompt"]}]
+        if "logprobs" in req:
+            body.update(logprobs=True, top_logprobs=req["logprobs"])
+        return "/v1/chat/completions", body
+    body["prompt"] = req["prompt"]
+    if "logprobs" in req:
+        body["logprobs"] = req["logprobs"]
+    return "/v1/completions", body
+
+
+async def _one(client, url: str, model: str, req: dict) -> dict:
+    path, body = _body(req, model)
+    t = time.perf_counter()
+    res = {"id": req["id"], "kind": req["kind"]}
+    try:
+        if body["stream"]:
+            text, chunks = [], 0
+            async with client.stream("POST", url + path, json=body) as r:
+                if r.status_code != 200:
+                    res["error"] = f"HTTP {r.status_code}"
+                    return res
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunks += 1
+                    choice = json.loads(line[6:])["choices"]
+                    if choice:
+                        c = choice[0]
+                        text.append(c.get("text") or (c.get("delta") or {}).get("content") or "")
+                    if req["kind"] == "disconnect" and chunks >= 2:
+                        break  # leave mid-stream: the server must clean up
+            res["text"], res["tokens"] = "".join(text), chunks
+        else:
+            r = await client.post(url + path, json=body)
+            if r.status_code != 200:
+                res["error"] = f"HTTP {r.status_code}"
+                res["detail"] = r.text[:300]
+                return res
+            data = r.json()
+            c = data["choices"][0]
+            res["text"] = c.get("text") if "text" in c else c["message"]["content"]
+            res["tokens"] = data.get("usage", {}).get("completion_tokens", 0)
+            if "logprobs" in req:
+                lp = c.get("logprobs") or {}
+                n_lp = len(lp.get("tokens") or lp.get("content") or [])
+                if n_lp != res["tokens"] // body.get("n", 1):
+                    res["error"] = f"logprobs: {n_lp} entries for {res['tokens']} tokens"
+    except Exception as e:  # noqa: BLE001 (every failure is counted by kind, none stops the load)
+        res["error"] = type(e).__name__
+    res["latency"] = time.perf_counter() - t
+    return res
+
+
+def _metrics(url: str) -> dict[str, float]:
+    import httpx
+
+    out = dict.fromkeys(SPEC, 0.0)
+    text = httpx.get(url + "/metrics", timeout=30).text
+    for name in SPEC:
+        for m in re.finditer(rf"^{re.escape(name)}_total\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M):
+            out[name] += float(m.group(1))
+    return out
+
+
+def _rss_mib(pid: int | None) -> float | None:
+    """Resident memory of the server and its children (engine core, worker), MiB."""
+    if pid is None:
+        return None
+    import subprocess
+
+    ps = subprocess.run(["ps", "-o", "rss=", "--ppid", str(pid), "-p", str(pid)],
+                        capture_output=True, text=True).stdout.split()
+    return sum(int(x) for x in ps) / 1024
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+async def _run(args, reqs: list[dict]) -> list[dict]:
+    import httpx
+
+    queue: asyncio.Queue = asyncio.Queue()
+    for r in reqs:
+        queue.put_nowait(r)
+    results: list[dict] = []
+    deadline = time.perf_counter() + args.time_limit
+
+    async def client_loop(client):
+        while not queue.empty() and time.perf_counter() < deadline:
+            results.append(await _one(client, args.url, args.model, queue.get_nowait()))
+
+    timeout = httpx.Timeout(args.time_limit)
+    async with httpx.AsyncClient(timeout=timeout) as client:
+        await asyncio.gather(*(client_loop(client) for _ in range(args.clients)))
+    return sorted(results, key=lambda r: r["id"])
+
+
+def report(args, results: list[dict], wall: float, before: dict, after: dict,
+           rss: tuple) -> dict:
+    errors: dict[str, int] = {}
+    for r in results:
+        if "error" in r:
+            errors[f"{r['kind']}: {r['error']}"] = errors.get(f"{r['kind']}: {r['error']}", 0) + 1
+    lat = [r["latency"] for r in results if "latency" in r]
+    drafts = after[SPEC[0]] - before[SPEC[0]]
+    accepted = after[SPEC[1]] - before[SPEC[1]]
+    return {"url": args.url, "clients": args.clients, "requests": len(results),
+            "errors": errors, "num_errors": sum(errors.values()), "wall_seconds": wall,
+            "latency_s": {q: percentile(lat, p) for q, p in (("p50", .5), ("p90", .9),
+                                                               ("p99", .99))},
+            "completion_tokens_per_s": sum(r.get("tokens", 0) for r in results) / wall,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+            "server_rss_mib": {"before": rss[0], "after": rss[1]},
+            "greedy": {str(r["id"]): r.get("text") for r in results
+                       if r.get("greedy") and "error" not in r}}
+
+
+def compare(a: dict, b: dict) -> list[str]:
+    """Request ids whose T=0 answers differ between two reports (both answered)."""
+    return sorted((k for k in a["greedy"].keys() & b["greedy"].keys()
+                   if a["greedy"][k] != b["greedy"][k]), key=int)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="served model name (default: the server's)")
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--requests", type=int, default=48)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="the server's max_model_len (default: read from /v1/models)")
+    p.add_argument("--time-limit", type=float, default=600.0, help="seconds for the whole load")
+    p.add_argument("--server-pid", type=int, default=None, help="for memory before/after")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--compare", type=Path, default=None, help="a report of the same load")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the load; print the report; 1 if any request failed or a T=0 answer differs."""
+    if urlparse(args.url).hostname not in ("127.0.0.1", "localhost", "::1"):
+        raise ValueError(f"--url {args.url}: treedraft load drives loopback servers only")
+    import httpx
+
+    models = httpx.get(args.url + "/v1/models", timeout=30).json()["data"]
+    args.model = args.model or models[0]["id"]
+    max_len = args.max_model_len or models[0].get("max_model_len") or 2048
+    reqs = workload(args.requests, args.seed, max_len)
+    greedy = {r["id"] for r in reqs if r["temperature"] == 0 and r["kind"] != "disconnect"}
+    before, rss0 = _metrics(args.url), _rss_mib(args.server_pid)
+    t = time.perf_counter()
+    results = asyncio.run(_run(args, reqs))
+    wall = time.perf_counter() - t
+    for r in results:
+        r["greedy"] = r["id"] in greedy
+    httpx.get(args.url + "/health", timeout=30).raise_for_status()  # the server is still up
+    rep = report(args, results, wall, before, _metrics(args.url), (rss0, _rss_mib(args.server_pid)))
+    if args.compare is not None:
+        rep["differs_from_compare"] = compare(rep, json.loads(args.compare.read_text()))
+    text = json.dumps(rep, indent=1)
+    if args.out is not None:
+        args.out.write_text(text)
+    print(json.dumps({k: v for k, v in rep.items() if k != "greedy"}, indent=1))
+    bad = rep["num_errors"] or rep.get("differs_from_compare")
+    return 1 if bad else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="treedraft load", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
