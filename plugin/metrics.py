@@ -14,7 +14,8 @@ for engines whose own speculative config is treedraft's proposer (`is_treedraft`
 
 One counter needs data only the worker has: which source proposed each accepted node of a tree
 (`heads.lookup`: head, lookup, or both). `vllm:treedraft_accepted_tokens_by_source{source}`
-(tree mode) is fed through a small JSON file: the frontend names it in the environment
+(tree mode) and the gauge `vllm:treedraft_live_draft_sessions` (requests the proposer holds
+draft state for; a leak check after a load has drained) are fed through a small JSON file: the frontend names it in the environment
 (`STATS_ENV`, inherited by the engine-core and worker processes it starts; not in vLLM's
 config, whose hash keys the compile cache), the worker (`SourceStats`, TP rank 0) rewrites it
 atomically after each verified step, and the frontend reads it when it observes the step's
@@ -30,6 +31,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import prometheus_client
 from vllm.v1.spec_decode.metrics import SpecDecodingProm
 
 from treedraft.heads.lookup import SOURCES
@@ -59,18 +61,32 @@ def read_source_counts(path: str | None) -> dict[str, int]:
         return {}
 
 
+LIVE = "live_sessions"  # key in the counts file: requests the proposer holds state for
+
+
 class SourceStats:
-    """Worker side: running totals of accepted draft tokens by source, rewritten atomically."""
+    """Worker side: running totals of accepted draft tokens by source, and the number of
+    requests the proposer holds draft state for, rewritten atomically when they change."""
 
     def __init__(self, path: str | None) -> None:
         self.path = path
-        self.counts = dict.fromkeys(SOURCES, 0)
+        self.counts = {**dict.fromkeys(SOURCES, 0), LIVE: 0}
+
+    def set_live(self, n: int) -> None:
+        if n != self.counts[LIVE]:
+            self.counts[LIVE] = n
+            self._write()
 
     def add(self, counts: dict[str, int]) -> None:
-        if not self.path or not any(counts.values()):
+        if not any(counts.values()):
             return
         for k, v in counts.items():
             self.counts[k] += v
+        self._write()
+
+    def _write(self) -> None:
+        if not self.path:
+            return
         tmp = f"{self.path}.{os.getpid()}.tmp"
         Path(tmp).write_text(json.dumps(self.counts))
         os.replace(tmp, self.path)
@@ -91,6 +107,7 @@ def is_treedraft(speculative_config) -> bool:
 
 
 class TreedraftSpecDecodingProm(SpecDecodingProm):
+    _gauge_cls = prometheus_client.Gauge
     def __init__(self, speculative_config, labelnames, per_engine_labelvalues,
                  is_diffusion: bool = False):
         super().__init__(speculative_config, labelnames, per_engine_labelvalues, is_diffusion)
@@ -118,6 +135,11 @@ class TreedraftSpecDecodingProm(SpecDecodingProm):
                           for idx, lv in per_engine_labelvalues.items()}
         self.source_path = os.environ.get(STATS_ENV)
         self.source_seen = dict.fromkeys(SOURCES, 0)
+        live = self._gauge_cls(
+            name="vllm:treedraft_live_draft_sessions",
+            documentation="Requests the treedraft proposer holds draft state for (trees).",
+            labelnames=labelnames, multiprocess_mode="mostrecent")
+        self.live = {idx: live.labels(*lv) for idx, lv in per_engine_labelvalues.items()}
 
     def observe(self, spec_decoding_stats, engine_idx: int = 0):
         super().observe(spec_decoding_stats, engine_idx)
@@ -131,6 +153,8 @@ class TreedraftSpecDecodingProm(SpecDecodingProm):
                 if k:
                     c.inc(k)
         totals = read_source_counts(self.source_path)
+        if LIVE in totals and engine_idx in self.live:
+            self.live[engine_idx].set(totals[LIVE])
         for src, c in self.by_source.get(engine_idx, {}).items():
             new = totals.get(src, 0) - self.source_seen[src]
             if new > 0:

@@ -150,14 +150,20 @@ class TreeDraftProposer:
         accepted: req_id -> accepted node ids of this step's tree (tree mode), else chains.
         """
         ib = runner.input_batch
-        live = set(ib.req_ids)
+        # vLLM's runner keeps a request's state while it lives (running, left out of a step by
+        # the token budget, or preempted) and drops it when it finishes: so do we. A request
+        # left out of this batch keeps its session and tree; a preempted one rewinds its session
+        # to what vLLM recomputes (`_commit`), so its head context is rebuilt, not lost.
+        live = set(runner.requests)
         if accepted and self.source_stats is not None:
             self._count_sources(accepted)
         for gone in [r for r in {*self.sessions, *self.lookups, *self.trees} if r not in live]:
-            self.sessions.pop(gone, None)  # finished or preempted
+            self.sessions.pop(gone, None)  # finished
             self.lookups.pop(gone, None)
             self.trees.pop(gone, None)
             self.sources.pop(gone, None)
+        if self.source_stats is not None:  # draft sessions held now (leak check: /metrics)
+            self.source_stats.set_live(len({*self.sessions, *self.lookups, *self.trees}))
         budget = getattr(scheduler_output, "num_spec_tokens_to_schedule", None)
         budget = self.spec.max_nodes if budget is None else min(budget, self.spec.max_nodes)
         drafts, probs = [], {}  # probs: row -> q [K, V] of sampled chains

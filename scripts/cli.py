@@ -8,6 +8,7 @@
     treedraft train --config scripts/recipes/tiny-cpu.yaml --max_steps=20   # train a head
     treedraft bench                                 # vLLM: no-spec vs ngram vs chain vs trees
     treedraft load --url http://127.0.0.1:8000      # mixed request shapes against a vllm serve
+    treedraft bundle runs/bundle --config R.yaml    # train on a GPU machine with nothing installed
 """
 
 from __future__ import annotations
@@ -225,6 +226,23 @@ def cmd_load(args: argparse.Namespace) -> None:
 
     if run(args):
         sys.exit(1)
+
+
+def _bundle_args(p: argparse.ArgumentParser) -> None:
+    from treedraft.scripts.gpu_bundle import add_arguments
+
+    add_arguments(p)
+
+
+@command("bundle", _bundle_args)
+def cmd_bundle(args: argparse.Namespace) -> None:
+    """Bundle code, wheels, target and prompts to train a head on a bare GPU machine."""
+    from treedraft.scripts.gpu_bundle import run
+
+    run(args, args.overrides)
+
+
+cmd_bundle.accepts_overrides = True  # --key=value training overrides, as for train
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -10,8 +10,9 @@ share of a fixed, seeded workload: streaming and non-streaming, chat and complet
 T>0 with top-k/top-p, stop strings, short max_tokens, logprobs, seeds, n=2, prompts near the
 server's max_model_len, and clients that disconnect mid-stream. The report holds: requests,
 errors by kind, latency percentiles, completion tokens/s, mean acceptance length from /metrics
-(the change during the load), the server's memory before/after (`--server-pid`), and each T=0
-answer (for `--compare`).
+(the change during the load), the server's memory before/after (`--server-pid`), its gauges
+once the load has drained (requests running / waiting, KV cache usage, live draft sessions:
+after a probe request, at most the probe's own), and each T=0 answer (for `--compare`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,10 @@ WORDS = ("the sea river code list prime number function return value city capita
 SPEC = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")
 
 
-def workload(n: int, seed: int, max_model_len: int) -> list[dict]:
+NEAR_MAX_ROOM = 96  # tokens left for the chat template and the reply of near_max_len requests
+
+
+def workload(n: int, seed: int, max_model_len: int, max_tokens: int = 32) -> list[dict]:
     """n request descriptions, the same for a given seed (so two servers get the same load)."""
     rng = random.Random(seed)
     out = []
@@ -42,7 +46,7 @@ def workload(n: int, seed: int, max_model_len: int) -> list[dict]:
         words = rng.choices(WORDS, k=rng.randint(4, 24))
         prompt = f"Question {i}: " + " ".join(words) + ". Answer briefly."
         sampled = rng.random() < 0.5 and kind not in ("near_max_len",)
-        req = {"id": i, "kind": kind, "prompt": prompt, "max_tokens": 32,
+        req = {"id": i, "kind": kind, "prompt": prompt, "max_tokens": max_tokens,
                "temperature": 0.8 if sampled else 0.0}
         if sampled:
             req.update(top_p=0.9, top_k=20)
@@ -56,9 +60,9 @@ def workload(n: int, seed: int, max_model_len: int) -> list[dict]:
             req["logprobs"] = 2
         elif kind == "n2":
             req.update(n=2, temperature=0.8, top_k=20)
-        elif kind == "near_max_len":  # about half the context in the prompt (chat, no
-            # max_tokens: the reply may run to the end of the context, the OpenAI default)
-            req["prompt"] = " ".join(rng.choices(WORDS, k=max_model_len // 3))
+        elif kind == "near_max_len":  # all but ~96 tokens of the context in the prompt (chat,
+            # no max_tokens: the reply may run to the end of the context, the OpenAI default)
+            req["prompt"] = " ".join(rng.choices(WORDS, k=max(16, max_model_len - NEAR_MAX_ROOM)))
             req["max_tokens"] = None
         out.append(req)
     return out
@@ -69,6 +73,8 @@ def _body(req: dict, model: str) -> tuple[str, dict]:
     body = {"model": model, **{k: req[k] for k in keys if req.get(k) is not None}}
     stream = req["kind"] in ("chat_stream", "completion_stream", "disconnect")
     body["stream"] = stream
+    if stream:
+        body["stream_options"] = {"include_usage": True}  # the last chunk counts the tokens
     if req["kind"].startswith("chat") or req["kind"] == "near_max_len":
         body["messages"] = [{"role": "user", "content": req["prompt"]}]
         if "logprobs" in req:
@@ -86,7 +92,7 @@ async def _one(client, url: str, model: str, req: dict) -> dict:
     res = {"id": req["id"], "kind": req["kind"]}
     try:
         if body["stream"]:
-            text, chunks = [], 0
+            text, chunks, tokens = [], 0, 0
             async with client.stream("POST", url + path, json=body) as r:
                 if r.status_code != 200:
                     res["error"] = f"HTTP {r.status_code}"
@@ -95,13 +101,16 @@ async def _one(client, url: str, model: str, req: dict) -> dict:
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     chunks += 1
-                    choice = json.loads(line[6:])["choices"]
+                    data = json.loads(line[6:])
+                    usage = data.get("usage") or {}
+                    tokens = usage.get("completion_tokens", tokens)
+                    choice = data["choices"]
                     if choice:
                         c = choice[0]
                         text.append(c.get("text") or (c.get("delta") or {}).get("content") or "")
                     if req["kind"] == "disconnect" and chunks >= 2:
                         break  # leave mid-stream: the server must clean up
-            res["text"], res["tokens"] = "".join(text), chunks
+            res["text"], res["tokens"] = "".join(text), tokens
         else:
             r = await client.post(url + path, json=body)
             if r.status_code != 200:
@@ -132,6 +141,43 @@ def _metrics(url: str) -> dict[str, float]:
         for m in re.finditer(rf"^{re.escape(name)}_total\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M):
             out[name] += float(m.group(1))
     return out
+
+
+GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+          "vllm:treedraft_live_draft_sessions")
+
+
+def _gauges(url: str) -> dict[str, float | None]:
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    out: dict[str, float | None] = dict.fromkeys(GAUGES)
+    for name in GAUGES:
+        for m in re.finditer(rf"^{re.escape(name)}\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.M):
+            out[name] = (out[name] or 0.0) + float(m.group(1))
+    return out
+
+
+def drained(url: str, model: str, timeout: float = 60.0) -> dict[str, float | None]:
+    """The server's gauges once no request runs or waits, after one short probe request (vLLM
+    and the draft proposer release a finished request's state at the next step: the probe is
+    that step, so afterwards only the probe's own state may remain)."""
+    import httpx
+
+    def idle() -> dict:
+        deadline = time.time() + timeout
+        while True:
+            g = _gauges(url)
+            busy = (g[GAUGES[0]] or 0) + (g[GAUGES[1]] or 0)
+            if not busy or time.time() > deadline:
+                return g
+            time.sleep(0.5)
+
+    idle()
+    httpx.post(url + "/v1/completions", json={"model": model, "prompt": "The sea is",
+                                              "max_tokens": 4, "temperature": 0},
+               timeout=timeout).raise_for_status()
+    return idle()
 
 
 def _rss_mib(pid: int | None) -> float | None:
@@ -203,6 +249,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=32, help="of most requests")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="the server's max_model_len (default: read from /v1/models)")
     p.add_argument("--time-limit", type=float, default=600.0, help="seconds for the whole load")
@@ -220,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
     models = httpx.get(args.url + "/v1/models", timeout=30).json()["data"]
     args.model = args.model or models[0]["id"]
     max_len = args.max_model_len or models[0].get("max_model_len") or 2048
-    reqs = workload(args.requests, args.seed, max_len)
+    reqs = workload(args.requests, args.seed, max_len, args.max_tokens)
     greedy = {r["id"] for r in reqs if r["temperature"] == 0 and r["kind"] != "disconnect"}
     before, rss0 = _metrics(args.url), _rss_mib(args.server_pid)
     t = time.perf_counter()
@@ -229,7 +276,9 @@ def run(args: argparse.Namespace) -> int:
     for r in results:
         r["greedy"] = r["id"] in greedy
     httpx.get(args.url + "/health", timeout=30).raise_for_status()  # the server is still up
-    rep = report(args, results, wall, before, _metrics(args.url), (rss0, _rss_mib(args.server_pid)))
+    after = _metrics(args.url)
+    rep = report(args, results, wall, before, after, (rss0, _rss_mib(args.server_pid)))
+    rep["after_drain"] = drained(args.url, args.model)
     if args.compare is not None:
         rep["differs_from_compare"] = compare(rep, json.loads(args.compare.read_text()))
     text = json.dumps(rep, indent=1)

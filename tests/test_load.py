@@ -20,7 +20,7 @@ def test_workload_is_seeded_and_covers_every_shape():
     near = next(r for r in a if r["kind"] == "near_max_len")
     path, body = _body(near, "m")
     assert path == "/v1/chat/completions" and "max_tokens" not in body  # runs to the context
-    assert len(near["prompt"].split()) == 512 // 3
+    assert len(near["prompt"].split()) == 512 - 96
     path, body = _body(next(r for r in a if r["kind"] == "logprobs"), "m")
     assert path == "/v1/completions" and body["logprobs"] == 2
     assert _body(next(r for r in a if r["kind"] == "disconnect"), "m")[1]["stream"] is True

@@ -27,11 +27,12 @@ One engine per configuration runs the same jobs (tests/../scripts/engine.py):
   (`treedraft eval`'s reference decoder) for the same head, prompts and tree (chain:3, the
   hybrid tree, lookup alone): number of steps that drafted and accepted count at every depth
   equal within one step per prompt (vLLM may cut a request's last drafts at max_tokens; the reference does not).
-* sampling: 400 samples of the first 3 tokens of a fixed, repetitive prompt at T=0.8/top-p 0.9
+* sampling: 300 samples of the first 3 tokens of a fixed, repetitive prompt at T=0.8/top-p 0.9
   and at T=1/top-k 5; the joint distribution of the 3 tokens with speculation (chain and hybrid
   tree) equals the one without (chi-square homogeneity test, significance 1e-3), and drafts
   were accepted during those jobs (so the spec path really ran). The chain samples its drafts
-  from the head's q and gives q to vLLM's rejection sampler (the engine log says so).
+  from the head's q and gives q to vLLM's rejection sampler (the engine log says so); the chain
+  is sampled at T=0.8/top-p only (its q path is the same code for top-k).
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ HYBRID = "dynamic:10,3,3+lookup:6"
 TREE = {"model": EAGLE, "tree": HYBRID}
 LOOKUP = {"method": "treedraft", "tree": "lookup:8"}
 MEDUSA_TREE = "[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]"
-SAMPLES = 400
-# a short raw prompt (400 prefills stay cheap) that repeats itself, so lookup proposes too
+SAMPLES = 300
+# a short raw prompt (300 prefills stay cheap) that repeats itself, so lookup proposes too
 SAMPLE_TEXT = "The sea is blue and the sky is blue. The sea is"
 SCHEDULE = [[1, 2, 2], [3, 256, 0]]  # batch <= 2: at most 2 draft nodes; above: none
 LONG_PROMPT = 490  # tokens: the serving job's long request reaches max_model_len 512 (pressure)
@@ -131,7 +132,7 @@ def runs(target, prompts, tokenizer):
     small_kv = {"num_gpu_blocks_override": 5, "max_model_len": 512}  # 5 blocks of 128 tokens
     return Runs({
         "base": (target, None, [*jobs, serving], None),
-        "chain": (target, CHAIN, jobs, None),
+        "chain": (target, CHAIN, [j for j in jobs if j["name"] != "topk"], None),
         "tree": (target, TREE, jobs, None),
         "lookup": (target, LOOKUP, jobs[:2], None),
         "medusa": (target, {"model": "smollm2-135m-medusa", "tree": MEDUSA_TREE}, greedy, None),
@@ -139,7 +140,7 @@ def runs(target, prompts, tokenizer):
         "pressure": (target, TREE, [*greedy, serving], {**small_kv, "max_num_batched_tokens": 64,
                                             "max_num_seqs": 8}),
         "schedule": (target, {**TREE, "num_speculative_tokens_per_batch_size": SCHEDULE},
-                     [*jobs[:2], {"name": "wide", "prompts": prompts, "params": {
+                     [jobs[1], {"name": "wide", "prompts": prompts, "params": {
                          "temperature": 0, "max_tokens": 16, "ignore_eos": True}}], None),
     })
 
@@ -150,7 +151,8 @@ def test_engine_reports_progress_as_it_runs(runs):
     events = runs.events["base"]
     assert "ready" in events[0] and events[0]["ready"] > 0
     waves = events[1:]
-    assert [e["job"] for e in waves] == ["greedy", "parity", "parity", "parity", "topp", "topk"]
+    assert [e["job"] for e in waves] == ["greedy", "parity", "parity", "parity", "topp", "topk",
+                                         "serving"]
     for name in ("greedy", "parity"):
         got = sum(e["tokens"] for e in waves if e["job"] == name)
         assert got == sum(map(len, results[name]["tokens"])) > 0
@@ -223,12 +225,11 @@ def test_serving_request_shapes_answered_exactly(runs, prompts, target):
 
 def test_batch_size_schedule_caps_drafts(runs, prompts, target):
     base, res = runs["base"][0], runs["schedule"][0]
-    for job in ("greedy", "parity"):
-        _check_identical(base[job]["tokens"], res[job]["tokens"], prompts, target, job)
-    single, batch = res["parity"]["spec"], res["greedy"]["spec"]
+    _check_identical(base["parity"]["tokens"], res["parity"]["tokens"], prompts, target,
+                     "parity")
+    single = res["parity"]["spec"]
     assert single["drafts"] > 0 and single["accepted"] > 0, single
     assert single["drafts"] < single["draft_tokens"] <= 2 * single["drafts"], single
-    assert batch["draft_tokens"] <= 2 * batch["drafts"], batch
     # 8 requests that run together to the end (ignore_eos): drafts only in the first steps,
     # while the engine (its own process) has not received all 8 yet; 16 steps otherwise
     wide = res["wide"]
@@ -270,8 +271,8 @@ def test_acceptance_per_depth_matches_offline_evaluator(runs, name, tree, target
         assert by_source["lookup"] + by_source["both"] > 0, by_source
 
 
-@pytest.mark.parametrize("job", list(PARAMS))
-@pytest.mark.parametrize("name", ["chain", "tree"])
+# the chain's q path is the same code for both settings: top-p only there (CI time)
+@pytest.mark.parametrize("name, job", [("chain", "topp"), ("tree", "topp"), ("tree", "topk")])
 def test_sampled_distribution_equals_no_speculation(runs, name, job):
     base = [tuple(t) for t in runs["base"][0][job]["tokens"]]
     res = runs[name][0][job]

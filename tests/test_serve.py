@@ -7,10 +7,16 @@
   accepted tokens by source (head / lookup / both), lookup ones included on a repetitive text.
 * A head trained for another target (here SmolLM2's head on Qwen2.5-Coder) is refused at
   startup with a message naming both sides.
+* Under load (`treedraft load`, 8 clients x 48 requests of mixed shapes: streaming, chat and
+  completions, T=0 and sampled, stop strings, short max_tokens, logprobs, seeds, n=2, a prompt
+  running to max_model_len, clients leaving mid-stream): no errors against the tree server and
+  against a server without speculation, every T=0 answer identical, the tree server still up,
+  nothing running or waiting, no KV in use and no draft state beyond the probe's own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
@@ -44,16 +50,17 @@ def _post(url: str, body: dict) -> bytes:
         return r.read()
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@contextlib.contextmanager
+def _serve(log: Path, spec: dict | None, *extra: str):
+    """A `vllm serve` of SmolLM2 on a free loopback port: (base URL, process)."""
     target = str(resolve_model("smollm2-135m"))
     port = _free_port()
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    args = [VLLM, "serve", target, "--port", str(port), "--enforce-eager", "--dtype", "float32",
+            "--max-model-len", "1024", *extra]
+    if spec is not None:
+        args += ["--speculative-config", json.dumps(spec)]
     with log.open("w") as f:
-        proc = subprocess.Popen(
-            [VLLM, "serve", target, "--port", str(port), "--enforce-eager", "--dtype", "float32",
-             "--max-model-len", "1024", "--speculative-config", json.dumps(SPEC)],
-            stdout=f, stderr=subprocess.STDOUT, env=engine_env())
+        proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env=engine_env())
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 400
@@ -67,7 +74,7 @@ def server(tmp_path_factory):
                 time.sleep(2)
         else:
             pytest.fail(f"vllm serve did not come up:\n{log.read_text()[-4000:]}")
-        yield base, target, log
+        yield base, proc
     finally:
         proc.terminate()
         try:
@@ -76,8 +83,15 @@ def server(tmp_path_factory):
             proc.kill()
 
 
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with _serve(log, SPEC) as (base, proc):
+        yield base, str(resolve_model("smollm2-135m")), log, proc
+
+
 def test_completions_chat_and_streaming(server):
-    base, target, _ = server
+    base, target, *_ = server
     comp = json.loads(_post(base + "/v1/completions", {
         "model": target, "prompt": "The capital of France is", "max_tokens": 24,
         "temperature": 0}))
@@ -96,7 +110,7 @@ def test_completions_chat_and_streaming(server):
 
 
 def test_metrics_expose_spec_decode_and_tree_counters(server):
-    base, _, _ = server
+    base, *_ = server
     _post(base + "/v1/completions", {"model": server[1], "prompt": "One, two, three,",
                                      "max_tokens": 32, "temperature": 0})
     text = urllib.request.urlopen(base + "/metrics", timeout=30).read().decode()
@@ -114,7 +128,7 @@ def test_metrics_expose_spec_decode_and_tree_counters(server):
 
 
 def test_metrics_count_accepted_tokens_by_source(server):
-    base, target, _ = server
+    base, target, *_ = server
     text = "the cat sat on the mat. the cat sat on the mat. the cat sat on the mat. the cat"
     comp = json.loads(_post(base + "/v1/completions", {
         "model": target, "prompt": text, "max_tokens": 24, "temperature": 0}))
@@ -141,3 +155,33 @@ def test_serve_refuses_a_head_of_another_target():
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "hidden_size=576" in out and "896" in out, out[-3000:]
+
+
+def test_short_load_is_answered_exactly_and_drains(server, tmp_path):
+    import argparse
+
+    from treedraft.scripts.load import add_arguments, run
+
+    def load(url: str, pid: int, out: Path, *more: str) -> dict:
+        p = argparse.ArgumentParser()
+        add_arguments(p)
+        args = p.parse_args(["--url", url, "--clients", "8", "--requests", "48",
+                             "--max-tokens", "16", "--max-model-len", "1024", "--time-limit", "900",
+                             "--server-pid", str(pid), "--out", str(out), *more])
+        rc = run(args)
+        rep = json.loads(out.read_text())
+        print(json.dumps({k: v for k, v in rep.items() if k != "greedy"}))
+        assert rep["requests"] == 48 and rep["num_errors"] == 0, rep["errors"]
+        assert rc == 0, rep.get("differs_from_compare")
+        return rep
+
+    tree = load(server[0], server[3].pid, tmp_path / "tree.json")
+    assert tree["mean_acceptance_length"] > 1.0
+    drain = tree["after_drain"]
+    assert drain["vllm:num_requests_running"] == drain["vllm:num_requests_waiting"] == 0, drain
+    assert drain["vllm:kv_cache_usage_perc"] == 0, drain
+    assert drain["vllm:treedraft_live_draft_sessions"] <= 1, drain  # the probe's own at most
+    with _serve(tmp_path / "plain.log", None) as (base, proc):
+        plain = load(base, proc.pid, tmp_path / "plain.json", "--compare",
+                     str(tmp_path / "tree.json"))
+    assert plain["differs_from_compare"] == [] and len(plain["greedy"]) >= 10

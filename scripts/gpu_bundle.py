@@ -1,0 +1,202 @@
+"""`treedraft bundle`: train a head on a GPU machine that has nothing installed.
+
+Such a machine (see ../.library/device/README.md) has an NVIDIA GPU, Python 3.12, torch,
+transformers, safetensors, tokenizers, accelerate, pyyaml, tqdm, numpy and pyarrow, but no
+package index, no model hub and no treedraft; files reach it only as a working tree of at most
+64 MiB per transfer, and results come back as at most 8 files of at most 16 MiB. The bundle is
+everything else, cut into parts that each fit one transfer:
+
+    treedraft bundle runs/bundle --config scripts/recipes/smollm2-135m-eagle.yaml --max_steps=3000
+    # then, one transfer per part (the machine keeps its disk while it stays busy):
+    python runs/bundle/part-1/stage.py                         # copies part 1 to /tmp/treedraft-bundle
+    python runs/bundle/part-2/stage.py --run --out "$OUT"      # last part: install, train, send back
+    # back here: cat head.tar.gz.* | tar xz     -> final/ (a head folder), train_log.jsonl
+
+Contents: treedraft's code (heads/, training/, scripts/, plugin/; a tarball), the wheels training
+needs that such a machine lacks (`datasets`, `gguf` and what they need, for CPython 3.12 on
+manylinux x86_64), the target (an embedded GGUF, or a local Hugging Face folder), the training
+prompts exactly as this config selects them (MT-bench rows already dropped) as JSONL, and the
+config. Files larger than a part are split into chunks; `manifest.json` holds every file's size
+and sha256. On the GPU, `stage.py` (standalone: it imports nothing of treedraft) reassembles and
+checks the files, names any missing part or missing preinstalled package, installs the bundled
+wheels that are not installed yet into the stage folder, runs the same `treedraft train` with the
+same config (data, target and out_dir pointed at the stage folder), and writes the trained head
+and its log back as pieces of at most 15 MiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+MiB = 1 << 20
+# distributions such a GPU machine has (seen there); their wheels are not bundled
+GPU_HAS = {"torch", "transformers", "safetensors", "tokenizers", "accelerate", "pyyaml", "tqdm",
+           "numpy", "pyarrow", "huggingface-hub", "filelock", "fsspec", "packaging", "jinja2",
+           "markupsafe", "networkx", "sympy", "mpmath", "typing-extensions", "regex", "psutil",
+           "setuptools", "triton", "hf-xet", "httpx", "httpcore", "anyio", "h11", "sniffio",
+           "certifi", "idna", "typer", "click", "shellingham", "rich", "markdown-it-py", "mdurl",
+           "pygments", "annotated-doc"}
+NEEDED = ("datasets", "gguf")  # what training imports beyond GPU_HAS
+CODE_PACKAGES = ("heads", "training", "scripts", "plugin")  # treedraft.<name>
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _code_tarball(dest: Path) -> None:
+    """treedraft's importable code as treedraft/<pkg>/..., without caches."""
+    import importlib
+
+    with tarfile.open(dest, "w:gz") as tar:
+        for name in CODE_PACKAGES:
+            root = Path(importlib.import_module(f"treedraft.{name}").__file__).parent
+            tar.add(root, arcname=f"treedraft/{name}",
+                    filter=lambda t: None if "__pycache__" in t.name else t)
+
+
+def _wheels(dest: Path) -> None:
+    """Wheels of NEEDED and their dependencies for CPython 3.12 manylinux, minus GPU_HAS."""
+    dest.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "-d", str(dest), "--only-binary=:all:",
+           "--python-version", "3.12", "--implementation", "cp",
+           *[a for p in ("manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_28_x86_64",
+                         "manylinux_2_24_x86_64") for a in ("--platform", p)], *NEEDED]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"pip download {' '.join(NEEDED)} failed (a package index is needed "
+                           f"to build a bundle):\n{proc.stderr[-2000:]}")
+    for whl in dest.glob("*.whl"):
+        dist = whl.name.split("-")[0].lower().replace("_", "-")
+        if dist in GPU_HAS:
+            whl.unlink()
+
+
+def _target_files(target: str, dest: Path) -> str:
+    """Copy what the GPU needs to load `target`; returns the target argument to use there
+    ({files} = the staged files folder, {stage} = the stage folder)."""
+    from treedraft.training.models import EMBEDDED_MODELS
+
+    if target in EMBEDDED_MODELS:  # the GGUF parts, laid out like the installed packages
+        for part in EMBEDDED_MODELS[target].parts:
+            src = part.locate()
+            out = dest / "files" / part.path
+            out.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, out)
+        return target
+    folder = Path(target).expanduser()
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"target={target!r}: a bundle carries an embedded target or a local "
+                         "Hugging Face folder (no hub on the GPU machine)")
+    shutil.copytree(folder, dest / "target")
+    return "{stage}/target"
+
+
+def _prompts(cfg, dest: Path) -> None:
+    """The rows this config trains and evaluates on, in order, as JSONL (ids kept)."""
+    from treedraft.training.loop import load_rows
+
+    train_rows, eval_rows = load_rows(cfg)
+    with dest.open("w", encoding="utf-8") as f:
+        for row in [*train_rows, *eval_rows]:
+            f.write(json.dumps({"id": row[0], "messages": row[1]}) + "\n")
+
+
+def _split(payload: Path, part_bytes: int) -> dict:
+    """Cut files larger than a part into chunks; returns the manifest."""
+    files = {}
+    for path in sorted(p for p in payload.rglob("*") if p.is_file()):
+        rel = path.relative_to(payload).as_posix()
+        size = path.stat().st_size
+        entry = {"size": size, "sha256": _sha256(path), "chunks": [rel]}
+        if size > part_bytes:
+            entry["chunks"] = []
+            with path.open("rb") as f:
+                i = 0
+                while chunk := f.read(part_bytes):
+                    name = f"{rel}.chunk{i:03d}"
+                    (payload / name).write_bytes(chunk)
+                    entry["chunks"].append(name)
+                    i += 1
+            path.unlink()
+        files[rel] = entry
+    return files
+
+
+def build(out: Path, config: str | None, overrides: list[str], part_mib: int = 60) -> list[Path]:
+    """Write the bundle's parts (folders part-1, part-2, ...) under `out`; returns them."""
+    from treedraft.training.config import load_config
+
+    cfg = load_config(config, overrides)
+    cfg.validate()
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} is not empty; give a new folder for the bundle")
+    payload = out / "payload"
+    payload.mkdir(parents=True)
+    _code_tarball(payload / "code.tar.gz")
+    _wheels(payload / "wheels")
+    target = _target_files(cfg.target, payload)
+    _prompts(cfg, payload / "prompts.jsonl")
+    from treedraft.training.config import TrainConfig
+
+    run_cfg = {**cfg.to_dict(), "target": target, "data": "{stage}/prompts.jsonl",
+               "out_dir": "{stage}/run", "data_dir": None, "init_from": cfg.init_from}
+    if cfg.init_from and Path(cfg.init_from).expanduser().is_dir():  # a head folder: ship it
+        shutil.copytree(Path(cfg.init_from).expanduser(), payload / "init_from")
+        run_cfg["init_from"] = "{stage}/init_from"
+    (payload / "config.json").write_text(json.dumps(run_cfg, indent=1))
+    assert set(run_cfg) == {f for f in TrainConfig.__dataclass_fields__}
+    part_bytes = part_mib * MiB - MiB  # room for stage.py and the manifest
+    files = _split(payload, part_bytes)
+    chunks = sorted(((c, (payload / c).stat().st_size) for e in files.values()
+                     for c in e["chunks"]), key=lambda x: -x[1])
+    parts: list[list[str]] = []
+    sizes: list[int] = []
+    for name, size in chunks:  # first fit, largest first
+        k = next((i for i, s in enumerate(sizes) if s + size <= part_bytes), None)
+        if k is None:
+            parts.append([])
+            sizes.append(0)
+            k = len(parts) - 1
+        parts[k].append(name)
+        sizes[k] += size
+    manifest = {"parts": len(parts), "files": files}
+    out_parts = []
+    for i, names in enumerate(parts, start=1):
+        d = out / f"part-{i}"
+        for name in names:
+            (d / name).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(payload / name, d / name)
+        (d / "manifest.json").write_text(json.dumps({**manifest, "part": i}, indent=1))
+        shutil.copyfile(Path(__file__).with_name("gpu_stage.py"), d / "stage.py")
+        out_parts.append(d)
+    shutil.rmtree(payload)
+    return out_parts
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("out", type=Path, help="a new folder for the bundle's parts")
+    p.add_argument("--config", default=None, help="training recipe (YAML/JSON), as for train")
+    p.add_argument("--part-mib", type=int, default=60, help="size limit of one part (transfer)")
+
+
+def run(args: argparse.Namespace, overrides: list[str]) -> list[Path]:
+    parts = build(args.out, args.config, overrides, args.part_mib)
+    sizes = [sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) / MiB for p in parts]
+    for p, s in zip(parts, sizes, strict=True):
+        print(f"{p}  {s:.1f} MiB")
+    print(f"on the GPU machine, one transfer per part: python PART/stage.py for each part, the "
+          f"last one with --run --out \"$OUT\" ({len(parts)} parts)")
+    return parts

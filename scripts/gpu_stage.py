@@ -1,0 +1,157 @@
+"""Stage one part of a treedraft GPU bundle; with --run (after the last part) train and send
+the head back. Standalone: runs on a machine where treedraft is not installed.
+
+    python part-1/stage.py                           # copy this part to the stage folder
+    python part-2/stage.py --run --out "$OUT"        # last part: check, install, train, write back
+    python part-2/stage.py --run --out "$OUT" -- --max_steps=100    # extra `treedraft train` args
+
+The stage folder (--stage, default /tmp/treedraft-bundle) survives between transfers only while
+the machine stays busy; a part that is missing when --run starts is named, with what to send.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+# import names of what the machine must already have (the bundle does not carry them)
+PREINSTALLED = ("torch", "transformers", "safetensors", "tokenizers", "accelerate", "yaml", "tqdm",
+                "numpy", "pyarrow")
+PIECE = 15 << 20  # bytes per file sent back (the limit is 16 MiB and 8 files)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def stage_part(here: Path, stage: Path) -> dict:
+    manifest = json.loads((here / "manifest.json").read_text())
+    stage.mkdir(parents=True, exist_ok=True)
+    for src in here.rglob("*"):
+        if src.is_file() and src.name not in ("stage.py", "manifest.json"):
+            dst = stage / "parts" / src.relative_to(here)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dst)
+    (stage / "manifest.json").write_text(json.dumps(manifest))
+    (stage / "parts" / f".part-{manifest['part']}").touch()
+    print(f"[bundle] part {manifest['part']} of {manifest['parts']} staged in {stage}")
+    return manifest
+
+
+def assemble(stage: Path, manifest: dict) -> Path:
+    """Reassemble every file from its chunks into stage/files; refuse anything missing or bad."""
+    parts = stage / "parts"
+    missing = [i for i in range(1, manifest["parts"] + 1) if not (parts / f".part-{i}").exists()]
+    if missing:
+        raise SystemExit(f"[bundle] parts {missing} are not staged in {stage} (the machine may have "
+                         f"been given back between transfers): send them again with stage.py, "
+                         "then run the last one with --run")
+    root = stage / "payload"
+    for rel, entry in manifest["files"].items():
+        dst = root / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        with dst.open("wb") as f:
+            for chunk in entry["chunks"]:
+                f.write((parts / chunk).read_bytes())
+        if dst.stat().st_size != entry["size"] or _sha256(dst) != entry["sha256"]:
+            raise SystemExit(f"[bundle] {rel} is corrupt after reassembly (size or sha256 "
+                             "differs from the manifest): send its parts again")
+    return root
+
+
+def check_machine() -> None:
+    missing = [m for m in PREINSTALLED if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SystemExit(f"[bundle] this machine lacks {missing}, which the bundle expects to be "
+                         f"installed already (it carries only what such machines miss)")
+
+
+def install(root: Path, site: Path) -> None:
+    """Bundled wheels whose distribution is not installed yet, without dependencies, into site;
+    then treedraft's code."""
+    site.mkdir(parents=True, exist_ok=True)
+    todo = []
+    for whl in sorted((root / "wheels").glob("*.whl")):
+        dist = whl.name.split("-")[0]
+        try:
+            importlib.metadata.distribution(dist)
+        except importlib.metadata.PackageNotFoundError:
+            todo.append(str(whl))
+    if todo:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                        "--target", str(site), *todo], check=True)
+    with tarfile.open(root / "code.tar.gz") as tar:
+        tar.extractall(site)
+    print(f"[bundle] installed {len(todo)} wheels and treedraft into {site}")
+
+
+def train(root: Path, stage: Path, extra: list[str]) -> Path:
+    cfg = json.loads((root / "config.json").read_text())
+    fill = lambda v: v.replace("{stage}", str(root)) if isinstance(v, str) else v  # noqa: E731
+    cfg = {k: fill(v) for k, v in cfg.items()}
+    cfg_path = stage / "config.json"
+    cfg_path.write_text(json.dumps(cfg, indent=1))
+    env = {**os.environ, "PYTHONPATH": str(stage / "site"), "TREEDRAFT_FILES_DIR":
+           str(root / "files"), "TREEDRAFT_CACHE": str(stage / "cache")}
+    probe = "import treedraft.training as t; print('[bundle] treedraft from', t.__file__)"
+    subprocess.run([sys.executable, "-c", probe], env=env, check=True)
+    subprocess.run([sys.executable, "-m", "treedraft.scripts.cli", "train", "--config",
+                    str(cfg_path), *extra], env=env, check=True)
+    return Path(cfg["out_dir"])
+
+
+def send_back(run: Path, out: Path) -> list[Path]:
+    """final/ and train_log.jsonl as head.tar.gz.000, .001, ... (at most 8 files)."""
+    out.mkdir(parents=True, exist_ok=True)
+    blob = out / "head.tar.gz"
+    with tarfile.open(blob, "w:gz") as tar:
+        tar.add(run / "final", arcname="final")
+        if (run / "train_log.jsonl").is_file():
+            tar.add(run / "train_log.jsonl", arcname="train_log.jsonl")
+    data = blob.read_bytes()
+    blob.unlink()
+    pieces = [out / f"head.tar.gz.{i:03d}" for i in range(0, (len(data) + PIECE - 1) // PIECE)]
+    if len(pieces) > 8:
+        raise SystemExit(f"[bundle] the head is {len(data) >> 20} MiB: more than 8 pieces")
+    for i, p in enumerate(pieces):
+        p.write_bytes(data[i * PIECE : (i + 1) * PIECE])
+    print(f"[bundle] head written to {out}: {[p.name for p in pieces]}; "
+          "reassemble with: cat head.tar.gz.* | tar xz")
+    return pieces
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--stage", type=Path, default=Path("/tmp/treedraft-bundle"))
+    p.add_argument("--run", action="store_true", help="after the last part: train")
+    p.add_argument("--out", type=Path, default=None, help="where the trained head goes")
+    args = p.parse_args(argv)
+    manifest = stage_part(Path(__file__).resolve().parent, args.stage)
+    if not args.run:
+        return
+    if args.out is None:
+        p.error("--run needs --out (the folder whose files come back)")
+    check_machine()
+    root = assemble(args.stage, manifest)
+    install(root, args.stage / "site")
+    send_back(train(root, args.stage, extra), args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""The GPU bundle (scripts/gpu_bundle.py, scripts/gpu_stage.py), dry-run on this CPU.
+
+`treedraft bundle` packs a short run of the tiny recipe (real SmolLM2 GGUF, ShareGPT prompts);
+each part is staged from its own folder into an empty stage folder as on the GPU machine, the
+last one with --run: the files are reassembled and checked, the bundled wheels installed, and
+`treedraft train` runs two steps with the bundle's code (not this checkout's), target file and
+prompts; the head comes back in pieces that reassemble into a loadable head. A part that was
+not staged is named.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import tarfile
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+TINY = ["--num_prompts=6", "--eval_prompts=1", "--gen_max_new_tokens=8", "--max_steps=2",
+        "--batch_size=2", "--max_seq_len=128", "--eval_max_new_tokens=4", "--progress=false"]
+
+
+def test_bundle_trains_on_a_bare_machine_dry_run(tmp_path):
+    from treedraft.heads.common import load_head
+    from treedraft.scripts.cli import main
+    from treedraft.training.models import EMBEDDED_MODELS
+
+    bundle = tmp_path / "bundle"
+    main(["bundle", str(bundle), "--config", "scripts/recipes/tiny-cpu.yaml", "--part-mib", "40",
+          *TINY])
+    parts = sorted(bundle.glob("part-*"))
+    gguf = EMBEDDED_MODELS["smollm2-135m"].size
+    assert len(parts) >= 3 and gguf > 2 * 40 << 20  # the GGUF travels in chunks
+    for p in parts:
+        assert sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) <= 40 << 20
+    manifest = json.loads((parts[0] / "manifest.json").read_text())
+    assert {"code.tar.gz", "prompts.jsonl", "config.json"} <= set(manifest["files"])
+    assert any(f.startswith("wheels/datasets-") for f in manifest["files"])
+    assert any(f.startswith("wheels/gguf-") for f in manifest["files"])
+    assert not any(f.startswith("wheels/torch-") for f in manifest["files"])
+
+    stage, out = tmp_path / "stage", tmp_path / "out"
+    stage_py = [sys.executable, "-I"]  # isolated: nothing of this checkout on sys.path
+    for p in parts[:-1]:
+        subprocess.run([*stage_py, str(p / "stage.py"), "--stage", str(stage)], check=True,
+                       cwd=tmp_path)
+    proc = subprocess.run([*stage_py, str(parts[-1] / "stage.py"), "--stage", str(stage),
+                           "--run", "--out", str(out)], capture_output=True, text=True,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"treedraft from {stage / 'site'}" in proc.stdout, proc.stdout[-2000:]
+    pieces = sorted(out.glob("head.tar.gz.*"))
+    assert 1 <= len(pieces) <= 8 and all(p.stat().st_size <= 16 << 20 for p in pieces)
+    blob = b"".join(p.read_bytes() for p in pieces)
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+        tar.extractall(tmp_path / "back")
+    head = load_head(tmp_path / "back" / "final")
+    assert head.config.target.hidden_size == 576
+    log = (tmp_path / "back" / "train_log.jsonl").read_text().splitlines()
+    assert sum('"lr"' in ln for ln in log) == 2  # two optimizer steps
+
+    # a part that never reached the machine is named
+    fresh = tmp_path / "fresh"
+    proc = subprocess.run([*stage_py, str(parts[-1] / "stage.py"), "--stage", str(fresh),
+                           "--run", "--out", str(tmp_path / "o2")], capture_output=True, text=True)
+    assert proc.returncode != 0 and "parts [1" in proc.stderr + proc.stdout
