@@ -37,7 +37,8 @@ SPEC = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")
 NEAR_MAX_ROOM = 96  # tokens left for the chat template and the reply of near_max_len requests
 
 
-def workload(n: int, seed: int, max_model_len: int, max_tokens: int = 32) -> list[dict]:
+def workload(n: int, seed: int, max_model_len: int, max_tokens: int = 32,
+             near_max_room: int = NEAR_MAX_ROOM) -> list[dict]:
     """n request descriptions, the same for a given seed (so two servers get the same load)."""
     rng = random.Random(seed)
     out = []
@@ -62,7 +63,7 @@ def workload(n: int, seed: int, max_model_len: int, max_tokens: int = 32) -> lis
             req.update(n=2, temperature=0.8, top_k=20)
         elif kind == "near_max_len":  # all but ~96 tokens of the context in the prompt (chat,
             # no max_tokens: the reply may run to the end of the context, the OpenAI default)
-            req["prompt"] = " ".join(rng.choices(WORDS, k=max(16, max_model_len - NEAR_MAX_ROOM)))
+            req["prompt"] = " ".join(rng.choices(WORDS, k=max(16, max_model_len - near_max_room)))
             req["max_tokens"] = None
         out.append(req)
     return out
@@ -250,6 +251,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-tokens", type=int, default=32, help="of most requests")
+    p.add_argument("--near-max-room", type=int, default=NEAR_MAX_ROOM,
+                   help="tokens of context left by the prompts of near-max_model_len requests")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="the server's max_model_len (default: read from /v1/models)")
     p.add_argument("--time-limit", type=float, default=600.0, help="seconds for the whole load")
@@ -267,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
     models = httpx.get(args.url + "/v1/models", timeout=30).json()["data"]
     args.model = args.model or models[0]["id"]
     max_len = args.max_model_len or models[0].get("max_model_len") or 2048
-    reqs = workload(args.requests, args.seed, max_len, args.max_tokens)
+    reqs = workload(args.requests, args.seed, max_len, args.max_tokens, args.near_max_room)
     greedy = {r["id"] for r in reqs if r["temperature"] == 0 and r["kind"] != "disconnect"}
     before, rss0 = _metrics(args.url), _rss_mib(args.server_pid)
     t = time.perf_counter()

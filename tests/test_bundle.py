@@ -20,7 +20,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-TINY = ["--num_prompts=6", "--eval_prompts=1", "--gen_max_new_tokens=8", "--max_steps=2",
+TINY = ["--num_prompts=6", "--eval_prompts=0", "--gen_max_new_tokens=8", "--max_steps=2",
         "--batch_size=2", "--max_seq_len=128", "--eval_max_new_tokens=4", "--progress=false"]
 
 

@@ -23,7 +23,7 @@ One engine per configuration runs the same jobs (tests/../scripts/engine.py):
 * batch-size schedule: vLLM's `num_speculative_tokens_per_batch_size` caps the tree at 2 nodes
   at batch <= 2 and turns drafting off above; outputs are still identical, and the draft counts
   show the cap (single stream: trees of at most 2 nodes; batch 8: no drafts while all 8 run).
-* parity: single-stream, the acceptance vLLM counts per depth equals the offline evaluator's
+* parity: single-stream (2 prompts), the acceptance vLLM counts per depth equals the offline evaluator's
   (`treedraft eval`'s reference decoder) for the same head, prompts and tree (chain:3, the
   hybrid tree, lookup alone): number of steps that drafted and accepted count at every depth
   equal within one step per prompt (vLLM may cut a request's last drafts at max_tokens; the reference does not).
@@ -56,6 +56,7 @@ SAMPLES = 300
 # a short raw prompt (300 prefills stay cheap) that repeats itself, so lookup proposes too
 SAMPLE_TEXT = "The sea is blue and the sky is blue. The sea is"
 SCHEDULE = [[1, 2, 2], [3, 256, 0]]  # batch <= 2: at most 2 draft nodes; above: none
+PARITY = 2  # single-stream prompts of the parity job (MT-bench first turns)
 LONG_PROMPT = 490  # tokens: the serving job's long request reaches max_model_len 512 (pressure)
 NEWLINE = 198  # SmolLM2's "\n"
 PARAMS = {"topp": {"temperature": 0.8, "top_p": 0.9}, "topk": {"temperature": 1.0, "top_k": 5}}
@@ -85,7 +86,7 @@ def prompts(tokenizer) -> list[list[int]]:
 
 def _jobs(prompts, tokenizer, sampling: bool = True) -> list[dict]:
     jobs = [{"name": "greedy", "prompts": prompts, "params": {"temperature": 0, "max_tokens": 48}},
-            {"name": "parity", "prompts": prompts[:3], "batch_size": 1,
+            {"name": "parity", "prompts": prompts[:PARITY], "batch_size": 1,
              "params": {"temperature": 0, "max_tokens": 48}}]
     if sampling:
         sample = tokenizer(SAMPLE_TEXT)["input_ids"]
@@ -151,7 +152,7 @@ def test_engine_reports_progress_as_it_runs(runs):
     events = runs.events["base"]
     assert "ready" in events[0] and events[0]["ready"] > 0
     waves = events[1:]
-    assert [e["job"] for e in waves] == ["greedy", "parity", "parity", "parity", "topp", "topk",
+    assert [e["job"] for e in waves] == ["greedy", *["parity"] * PARITY, "topp", "topk",
                                          "serving"]
     for name in ("greedy", "parity"):
         got = sum(e["tokens"] for e in waves if e["job"] == name)
@@ -251,7 +252,7 @@ def test_acceptance_per_depth_matches_offline_evaluator(runs, name, tree, target
     loaded = load_target(target)
     head = (load_head_for(EAGLE, loaded.model, target_signature(loaded.model, loaded.tokenizer))
             if name != "lookup" else None)
-    rows = load_prompts("mtbench", limit=3)
+    rows = load_prompts("mtbench", limit=PARITY)
     ref = run_eval(loaded, head, list(zip(rows["id"], rows["messages"], strict=True)), tree=tree,
                    max_new_tokens=48, progress=False)
     spec = runs[name][0]["parity"]["spec"]
@@ -300,7 +301,7 @@ def test_two_engines_in_one_process_stay_exact(target, prompts):
 
     from treedraft.scripts.engine import engine_env
 
-    request = {"target": target, "spec": TREE, "prompts": prompts[:4], "max_tokens": 32}
+    request = {"target": target, "spec": TREE, "prompts": prompts[:3], "max_tokens": 24}
     env = {**engine_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("two_engines.py")),
                            json.dumps(request)], capture_output=True, text=True, timeout=900,
@@ -309,5 +310,5 @@ def test_two_engines_in_one_process_stay_exact(target, prompts):
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
     first, tree, again, drafts = json.loads(lines[-1].split(" ", 1)[1])
     assert drafts > 0, "the tree engine never drafted"
-    _check_identical(first, tree, prompts[:4], target, "tree after a plain engine")
+    _check_identical(first, tree, prompts[:3], target, "tree after a plain engine")
     assert again == first, "the plain engine changed after a tree engine ran in its process"

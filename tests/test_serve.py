@@ -166,7 +166,8 @@ def test_short_load_is_answered_exactly_and_drains(server, tmp_path):
         p = argparse.ArgumentParser()
         add_arguments(p)
         args = p.parse_args(["--url", url, "--clients", "8", "--requests", "48",
-                             "--max-tokens", "16", "--max-model-len", "1024", "--time-limit", "900",
+                             "--max-tokens", "12", "--near-max-room", "56",
+                             "--max-model-len", "1024", "--time-limit", "900",
                              "--server-pid", str(pid), "--out", str(out), *more])
         rc = run(args)
         rep = json.loads(out.read_text())
