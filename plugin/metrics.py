@@ -108,6 +108,7 @@ def is_treedraft(speculative_config) -> bool:
 
 class TreedraftSpecDecodingProm(SpecDecodingProm):
     _gauge_cls = prometheus_client.Gauge
+
     def __init__(self, speculative_config, labelnames, per_engine_labelvalues,
                  is_diffusion: bool = False):
         super().__init__(speculative_config, labelnames, per_engine_labelvalues, is_diffusion)

@@ -36,6 +36,7 @@ from treedraft.heads.sampling import draft_chain
 from treedraft.heads.tree import DraftTree, parse_tree_spec
 
 from .config import KEY
+from .sampler import request_unsupported
 
 logger = init_logger("vllm.treedraft")
 
@@ -134,12 +135,6 @@ class TreeDraftProposer:
             self._chains[budget] = parse_tree_spec(f"chain:{budget}")
         return self._chains[budget]
 
-    def _unsupported(self, runner, req_id: str) -> bool:
-        from .sampler import tree_unsupported
-
-        return tree_unsupported(runner.requests[req_id].sampling_params,
-                                runner.sampler.logprobs_mode) is not None
-
     # -------------------------------------------------------------- one step
     @torch.no_grad()
     def propose_step(self, runner, scheduler_output, sampled_token_ids: list[list[int]],
@@ -176,7 +171,8 @@ class TreeDraftProposer:
             session = None if self.head is None else self._commit(
                 runner, scheduler_output, i, req_id, n, sampled, hidden_states,
                 aux_hidden_states, accepted)
-            if not sampled or budget == 0 or (self.tree_mode and self._unsupported(runner, req_id)):
+            if not sampled or budget == 0 or (self.tree_mode
+                                              and request_unsupported(runner, req_id)):
                 drafts.append([])  # partial prefill chunk, no budget, or params trees cannot honour
                 self.trees.pop(req_id, None)
                 self.sources.pop(req_id, None)

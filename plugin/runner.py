@@ -91,8 +91,8 @@ def _wrap_sample_tokens(original):
     def sample_tokens(self, grammar_output):
         gens = self.input_batch.generators
         n = self.input_batch.num_reqs
-        held = {int(i): gens.pop(int(i)) for i in self.discard_request_mask.np[:n].nonzero()[0]
-                if int(i) in gens and gens[int(i)].device.type == "cpu"}
+        discarded = self.discard_request_mask.np[:n].nonzero()[0].tolist()
+        held = {i: gens.pop(i) for i in discarded if i in gens and gens[i].device.type == "cpu"}
         try:
             return original(self, grammar_output)
         finally:
@@ -102,17 +102,16 @@ def _wrap_sample_tokens(original):
 
 
 def build_step(runner, scheduler_output) -> tree_step.TreeStep:
-    from .sampler import tree_unsupported
+    from .sampler import request_unsupported
 
     ib = runner.input_batch
     step = tree_step.TreeStep(scheduler_output.total_num_scheduled_tokens)
     qsl = runner.query_start_loc.np
-    mode = runner.sampler.logprobs_mode
     for i, req_id in enumerate(ib.req_ids):
         drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
         if not drafts:
             continue
-        if tree_unsupported(runner.requests[req_id].sampling_params, mode):
+        if request_unsupported(runner, req_id):
             drafts = []  # not drafted by us (we give such requests none): vLLM samples the root
         qs, root_pos = int(qsl[i]), int(ib.num_computed_tokens_cpu[i])
         req = tree_step.make_request(i, req_id, qs, root_pos, int(ib.token_ids_cpu[i, root_pos]),

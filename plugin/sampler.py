@@ -84,6 +84,11 @@ def tree_unsupported(sp, logprobs_mode: str = "raw_logprobs") -> str | None:
     return ", ".join(bad) or None
 
 
+def request_unsupported(runner, req_id: str) -> str | None:
+    """`tree_unsupported` for one of the runner's requests, in the engine's logprobs mode."""
+    return tree_unsupported(runner.requests[req_id].sampling_params, runner.sampler.logprobs_mode)
+
+
 def _path_logprobs(runner, logits: torch.Tensor, rows: list[int], tokens: list[int], width: int):
     """vLLM's LogprobsTensors of `tokens`, each read off the target's raw logits row in `rows`
     (the row the token was sampled from), `width - 1` top logprobs each."""

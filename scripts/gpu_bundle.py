@@ -27,7 +27,6 @@ and its log back as pieces of at most 15 MiB.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -35,6 +34,8 @@ import subprocess
 import sys
 import tarfile
 from pathlib import Path
+
+from .gpu_stage import sha256_of  # the stage script checks what this writes, with this helper
 
 MiB = 1 << 20
 # distributions such a GPU machine has (seen there); their wheels are not bundled
@@ -46,14 +47,6 @@ GPU_HAS = {"torch", "transformers", "safetensors", "tokenizers", "accelerate", "
            "pygments", "annotated-doc"}
 NEEDED = ("datasets", "gguf")  # what training imports beyond GPU_HAS
 CODE_PACKAGES = ("heads", "training", "scripts", "plugin")  # treedraft.<name>
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _code_tarball(dest: Path) -> None:
@@ -120,7 +113,7 @@ def _split(payload: Path, part_bytes: int) -> dict:
     for path in sorted(p for p in payload.rglob("*") if p.is_file()):
         rel = path.relative_to(payload).as_posix()
         size = path.stat().st_size
-        entry = {"size": size, "sha256": _sha256(path), "chunks": [rel]}
+        entry = {"size": size, "sha256": sha256_of(path), "chunks": [rel]}
         if size > part_bytes:
             entry["chunks"] = []
             with path.open("rb") as f:
@@ -149,15 +142,12 @@ def build(out: Path, config: str | None, overrides: list[str], part_mib: int = 6
     _wheels(payload / "wheels")
     target = _target_files(cfg.target, payload)
     _prompts(cfg, payload / "prompts.jsonl")
-    from treedraft.training.config import TrainConfig
-
     run_cfg = {**cfg.to_dict(), "target": target, "data": "{stage}/prompts.jsonl",
-               "out_dir": "{stage}/run", "data_dir": None, "init_from": cfg.init_from}
+               "out_dir": "{stage}/run", "data_dir": None}
     if cfg.init_from and Path(cfg.init_from).expanduser().is_dir():  # a head folder: ship it
         shutil.copytree(Path(cfg.init_from).expanduser(), payload / "init_from")
         run_cfg["init_from"] = "{stage}/init_from"
     (payload / "config.json").write_text(json.dumps(run_cfg, indent=1))
-    assert set(run_cfg) == {f for f in TrainConfig.__dataclass_fields__}
     part_bytes = part_mib * MiB - MiB  # room for stage.py and the manifest
     files = _split(payload, part_bytes)
     chunks = sorted(((c, (payload / c).stat().st_size) for e in files.values()

@@ -29,7 +29,7 @@ PREINSTALLED = ("torch", "transformers", "safetensors", "tokenizers", "accelerat
 PIECE = 15 << 20  # bytes per file sent back (the limit is 16 MiB and 8 files)
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
         while chunk := f.read(1 << 24):
@@ -66,7 +66,7 @@ def assemble(stage: Path, manifest: dict) -> Path:
         with dst.open("wb") as f:
             for chunk in entry["chunks"]:
                 f.write((parts / chunk).read_bytes())
-        if dst.stat().st_size != entry["size"] or _sha256(dst) != entry["sha256"]:
+        if dst.stat().st_size != entry["size"] or sha256_of(dst) != entry["sha256"]:
             raise SystemExit(f"[bundle] {rel} is corrupt after reassembly (size or sha256 "
                              "differs from the manifest): send its parts again")
     return root

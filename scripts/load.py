@@ -24,6 +24,7 @@ import random
 import re
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -133,30 +134,30 @@ async def _one(client, url: str, model: str, req: dict) -> dict:
     return res
 
 
-def _metrics(url: str) -> dict[str, float]:
-    import httpx
-
-    out = dict.fromkeys(SPEC, 0.0)
-    text = httpx.get(url + "/metrics", timeout=30).text
-    for name in SPEC:
-        for m in re.finditer(rf"^{re.escape(name)}_total\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M):
-            out[name] += float(m.group(1))
-    return out
-
-
 GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
           "vllm:treedraft_live_draft_sessions")
 
 
-def _gauges(url: str) -> dict[str, float | None]:
+def _scrape(url: str, names: tuple[str, ...], suffix: str = "") -> dict[str, float | None]:
+    """Each metric's value summed over its label sets (None where /metrics lacks it)."""
     import httpx
 
     text = httpx.get(url + "/metrics", timeout=30).text
-    out: dict[str, float | None] = dict.fromkeys(GAUGES)
-    for name in GAUGES:
-        for m in re.finditer(rf"^{re.escape(name)}\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.M):
+    out: dict[str, float | None] = dict.fromkeys(names)
+    for name in names:
+        pattern = rf"^{re.escape(name + suffix)}\{{[^}}]*\}} ([0-9.e+-]+)$"
+        for m in re.finditer(pattern, text, re.M):
             out[name] = (out[name] or 0.0) + float(m.group(1))
     return out
+
+
+def _metrics(url: str) -> dict[str, float]:
+    """The spec-decode counters (0 where the server has none)."""
+    return {k: v or 0.0 for k, v in _scrape(url, SPEC, "_total").items()}
+
+
+def _gauges(url: str) -> dict[str, float | None]:
+    return _scrape(url, GAUGES)
 
 
 def drained(url: str, model: str, timeout: float = 60.0) -> dict[str, float | None]:
@@ -220,10 +221,7 @@ async def _run(args, reqs: list[dict]) -> list[dict]:
 
 def report(args, results: list[dict], wall: float, before: dict, after: dict,
            rss: tuple) -> dict:
-    errors: dict[str, int] = {}
-    for r in results:
-        if "error" in r:
-            errors[f"{r['kind']}: {r['error']}"] = errors.get(f"{r['kind']}: {r['error']}", 0) + 1
+    errors = dict(Counter(f"{r['kind']}: {r['error']}" for r in results if "error" in r))
     lat = [r["latency"] for r in results if "latency" in r]
     drafts = after[SPEC[0]] - before[SPEC[0]]
     accepted = after[SPEC[1]] - before[SPEC[1]]
