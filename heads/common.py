@@ -128,7 +128,9 @@ def register_head(name: str) -> Callable[[type[DraftHead]], type[DraftHead]]:
     return deco
 
 
-def _read_config(path: Path) -> dict[str, Any]:
+def read_config(path: str | os.PathLike) -> dict[str, Any]:
+    """A head folder's config.json (head_type + config), with a clear error when it is missing."""
+    path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(
             f"head directory {path} does not exist; expected a directory written by "
@@ -145,11 +147,19 @@ def _read_config(path: Path) -> dict[str, Any]:
 
 def load_head(path: str | os.PathLike, target: TargetSignature | None = None,
               map_location: str | torch.device = "cpu") -> DraftHead:
-    """Load any registered head from `path`, dispatching on config.json's `head_type`."""
+    """Load any registered head from `path`, dispatching on config.json's `head_type`; a
+    speculators-format EAGLE-3 folder (vLLM/SGLang's) loads as an eagle3-layout EagleHead."""
     from . import eagle, medusa  # noqa: F401  (registers the built-in heads)
 
     path = Path(path)
-    head_type = _read_config(path).get("head_type")
+    raw = read_config(path)
+    if "speculators_model_type" in raw:  # an EAGLE-3 head in the speculators format
+        from .speculators import load_speculators
+
+        head = load_speculators(path, target).to(map_location)
+        head.provenance = None
+        return head
+    head_type = raw.get("head_type")
     if head_type not in HEADS:
         raise ValueError(
             f"{path / CONFIG_NAME} has head_type={head_type!r}; known head types: {sorted(HEADS)}"
@@ -249,7 +259,7 @@ class DraftHead(nn.Module):
         from safetensors.torch import load_file
 
         path = Path(path)
-        raw = _read_config(path)
+        raw = read_config(path)
         head_type = raw.pop("head_type", None)
         if head_type != cls.head_type:
             raise ValueError(

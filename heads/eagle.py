@@ -15,6 +15,15 @@ Features
 - `forward` runs [B, T] sequences causally (training, multi-step unrolling) or with a KV cache
   and an explicit bool mask (tree drafting).
 - `draft_session()`: KV-cached Expander for heads/tree.py's `draft_tree` (see EagleSession).
+- `layout="eagle3"` (a config field): EAGLE-3's own layer, exactly vLLM 0.32's
+  `llama_eagle3.py`: q/k/v read the 2H concat [embed_norm(embedding), feature_norm(feature)]
+  (no `combine`, no attention pre-norm), the residual stream starts at the feature (its normed
+  value with `norm_before_residual`), and the output feature fed to the next step is the
+  PRE-norm residual stream; logits read final_norm(feature). It is the layout the speculators
+  format stores (treedraft.heads.speculators converts both ways).
+- `fuse_norm` (vLLM/speculators `fc_norm`): an RMSNorm per target layer before `fuse`, so
+  SmolLM2's deep layer (token RMS ~20 against ~3 at layer 2) does not drown the others;
+  `norm_before_fc`: one RMSNorm over the n*H concat (imported heads only).
 
 Position convention (training and drafting agree): the pair (f_t, x_{t+1}) sits at position t
 and its output is fhat_{t+1}.
@@ -29,6 +38,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .common import ConfigMixin, DraftHead, TargetSignature, register_head
+
+LAYOUTS = ("eagle1", "eagle3")
 
 
 @dataclass
@@ -45,6 +56,12 @@ class EagleConfig(ConfigMixin):
     draft_vocab_size: int | None = None  # None -> draft over the full target vocab
     default_tree: str = "dynamic:60,6,8"
     acceptance_rates: list[list[float]] | None = None  # [depth][rank], measured after training
+    layout: str = "eagle1"  # eagle1 (combine 2H -> H, then a decoder layer) | eagle3 (see above)
+    fuse_norm: bool = False  # RMSNorm per target layer before fuse (speculators `fc_norm`)
+    norm_before_fc: bool = False  # one RMSNorm over the n*H concat before fuse
+    norm_before_residual: bool = False  # eagle3: the residual starts at the NORMED feature
+    own_embedding: bool = False  # own token embedding [V, H] (imported heads that ship one
+    #   different from the target's); default: the target's, bound and never saved
 
     def __post_init__(self) -> None:
         if isinstance(self.target, dict):
@@ -69,6 +86,10 @@ class EagleConfig(ConfigMixin):
                 f"(valid: 0..{num_layers}, or negative HF hidden_states indices)"
             )
         self.target_layer_ids = tuple(i % (num_layers + 1) for i in ids)  # -1 -> num_layers
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"EagleConfig.layout={self.layout!r}; valid: {', '.join(LAYOUTS)}")
+        if self.norm_before_residual and self.layout != "eagle3":
+            raise ValueError("norm_before_residual is an eagle3-layout option (layout='eagle3')")
         vd = self.draft_vocab_size
         if vd is not None and not 0 < vd <= self.target.vocab_size:
             raise ValueError(
@@ -106,16 +127,21 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class DecoderLayer(nn.Module):
-    """One Llama decoder layer: x + attn(norm(x)), then + mlp(norm(.))."""
+    """One Llama decoder layer: x + attn(norm(x)), then + mlp(norm(.)).
+
+    eagle3 layout: no attention pre-norm; q/k/v read a 2H input and the caller passes the
+    residual (`forward_from`)."""
 
     def __init__(self, c: EagleConfig) -> None:
         super().__init__()
         self.c = c
         h, d, nh, nkv = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
-        self.attn_norm = RMSNorm(h, c.rms_norm_eps)
-        self.q_proj = nn.Linear(h, nh * d, bias=False)
-        self.k_proj = nn.Linear(h, nkv * d, bias=False)
-        self.v_proj = nn.Linear(h, nkv * d, bias=False)
+        eagle3 = c.layout == "eagle3"
+        self.attn_norm = None if eagle3 else RMSNorm(h, c.rms_norm_eps)
+        qkv_in = 2 * h if eagle3 else h
+        self.q_proj = nn.Linear(qkv_in, nh * d, bias=False)
+        self.k_proj = nn.Linear(qkv_in, nkv * d, bias=False)
+        self.v_proj = nn.Linear(qkv_in, nkv * d, bias=False)
         self.o_proj = nn.Linear(nh * d, h, bias=False)
         self.mlp_norm = RMSNorm(h, c.rms_norm_eps)
         self.gate_proj = nn.Linear(h, c.intermediate_size, bias=False)
@@ -150,8 +176,13 @@ class DecoderLayer(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1)), new_kv
 
     def forward(self, x: Tensor, positions: Tensor, past_kv=None, attn_mask=None):
-        a, new_kv = self.attention(self.attn_norm(x), positions, past_kv, attn_mask)
-        x = x + a
+        return self.forward_from(self.attn_norm(x), x, positions, past_kv, attn_mask)
+
+    def forward_from(self, attn_in: Tensor, residual: Tensor, positions: Tensor, past_kv=None,
+                     attn_mask=None):
+        """residual + attn(attn_in), then + mlp(norm(.)); returns (x, this step's kv)."""
+        a, new_kv = self.attention(attn_in, positions, past_kv, attn_mask)
+        x = residual + a
         h = self.mlp_norm(x)
         x = x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
         return x, new_kv
@@ -164,10 +195,17 @@ class EagleHead(DraftHead):
     def __init__(self, config: EagleConfig) -> None:
         super().__init__(config)
         h, n = config.hidden_size, len(config.target_layer_ids)
+        eps = config.rms_norm_eps
+        self.fuse_input_norm = RMSNorm(n * h, eps) if config.norm_before_fc else None
+        self.fuse_norms = (nn.ModuleList(RMSNorm(h, eps) for _ in range(n))
+                           if config.fuse_norm else None)
         self.fuse = nn.Linear(n * h, h, bias=False) if n > 1 else nn.Identity()
-        self.embed_norm = RMSNorm(h, config.rms_norm_eps)
-        self.feature_norm = RMSNorm(h, config.rms_norm_eps)
-        self.combine = nn.Linear(2 * h, h, bias=False)
+        self.embed_norm = RMSNorm(h, eps)
+        self.feature_norm = RMSNorm(h, eps)
+        self.eagle3 = config.layout == "eagle3"
+        self.combine = None if self.eagle3 else nn.Linear(2 * h, h, bias=False)
+        self.embed_tokens = (nn.Embedding(config.target.vocab_size, h)
+                             if config.own_embedding else None)
         self.layer = DecoderLayer(config)
         self.final_norm = RMSNorm(h, config.rms_norm_eps)
         if config.draft_vocab_size is not None:
@@ -196,7 +234,13 @@ class EagleHead(DraftHead):
                 f"{len(self.config.target_layer_ids)} layers {self.config.target_layer_ids} x "
                 f"hidden {self.config.hidden_size}"
             )
-        return self.fuse(target_hidden)
+        x = target_hidden
+        if self.fuse_input_norm is not None:
+            x = self.fuse_input_norm(x)
+        if self.fuse_norms is not None:
+            chunks = x.chunk(len(self.fuse_norms), dim=-1)
+            x = torch.cat([norm(c) for norm, c in zip(self.fuse_norms, chunks, strict=True)], -1)
+        return self.fuse(x)
 
     def forward(self, features: Tensor, input_ids: Tensor, positions: Tensor,
                 past_kv: tuple[Tensor, Tensor] | None = None, attn_mask: Tensor | None = None):
@@ -204,17 +248,25 @@ class EagleHead(DraftHead):
 
         features [B, T, H] (projected), input_ids/positions [B, T]; past_kv (k, v) [B, Hkv, S, D];
         attn_mask bool [B, T, S+T] (True = attend), None = causal over past + current.
-        Returns out_features [B, T, H] (predicted next features) and (k, v) [B, Hkv, T, D] of
-        these T tokens.
+        Returns out_features [B, T, H] (predicted next features; eagle3: the pre-norm residual
+        stream) and (k, v) [B, Hkv, T, D] of these T tokens.
         """
-        embed = self._bound("target_embed")
+        embed = (self.embed_tokens.weight if self.embed_tokens is not None
+                 else self._bound("target_embed"))
         e = F.embedding(input_ids, embed).to(features.dtype)  # [B, T, H]
-        x = self.combine(torch.cat([self.embed_norm(e), self.feature_norm(features)], dim=-1))
+        f = self.feature_norm(features)
+        if self.eagle3:  # vLLM llama_eagle3.py: attention reads the 2H concat
+            residual = f if self.config.norm_before_residual else features
+            return self.layer.forward_from(torch.cat([self.embed_norm(e), f], dim=-1), residual,
+                                           positions, past_kv, attn_mask)
+        x = self.combine(torch.cat([self.embed_norm(e), f], dim=-1))
         x, new_kv = self.layer(x, positions, past_kv, attn_mask)
         return self.final_norm(x), new_kv
 
     def draft_logits(self, feature: Tensor) -> Tensor:
         """[..., H] -> [..., Vd] over the draft vocab (or [..., V] without one)."""
+        if self.eagle3:
+            feature = self.final_norm(feature)
         if self.config.draft_vocab_size is None:
             return F.linear(feature, self._bound("target_lm_head").to(feature.dtype))
         return self.lm_head(feature)

@@ -3,11 +3,15 @@
 vLLM's `SpeculativeConfig` forbids unknown keys and never infers a method from a treedraft head
 folder, so `EngineArgs.create_speculative_config` is wrapped (it runs in the frontend, after
 plugins load). When ``model`` is a treedraft head (a folder whose config.json has ``head_type``,
-or a shipped head's short name) or ``method`` is ``"treedraft"``:
+or a shipped head's short name), an EAGLE-3 head in the speculators format (config.json with
+``speculators_model_type: "eagle3"``, unless ``method`` is ``"eagle3"``: then vLLM serves it as
+its own) or ``method`` is ``"treedraft"``:
 
 - the treedraft keys (``tree``) are popped and validated; bad specs fail here, at startup;
 - the head is loaded on CPU and checked against the target (architecture, hidden size, vocab,
   layers, tokenizer fingerprint); a mismatch names both sides;
+- a speculators folder is converted once into a treedraft folder (cache: $TREEDRAFT_CACHE or
+  ~/.cache/treedraft/imported/), which the workers load;
 - the dict becomes ``method="custom_class"``, ``model=PROPOSER``,
   ``num_speculative_tokens = the tree's node budget``;
 - ``additional_config["treedraft"]`` carries head dir, head type and tree to every process.
@@ -45,11 +49,33 @@ def _head_dir(model: Any) -> Path | None:
     cfg = Path(model).expanduser() / "config.json"
     if cfg.is_file():
         try:
-            if "head_type" in json.loads(cfg.read_text()):
-                return cfg.parent.resolve()
+            raw = json.loads(cfg.read_text())
         except (OSError, json.JSONDecodeError):
             return None
+        if "head_type" in raw or raw.get("speculators_model_type") == "eagle3":
+            return cfg.parent.resolve()
     return None
+
+
+def _is_speculators(head_dir: Path) -> bool:
+    return "speculators_model_type" in json.loads((head_dir / "config.json").read_text())
+
+
+def imported_dir(head, source: Path) -> Path:
+    """A speculators-format head saved as a treedraft folder (what the workers load), cached
+    per source folder and its files' modification times."""
+    import hashlib
+    import os
+
+    stamp = [str(source)] + [f"{p.name}:{p.stat().st_mtime_ns}" for p in sorted(source.iterdir())
+                             if p.is_file()]
+    key = hashlib.sha256("\n".join(stamp).encode()).hexdigest()[:16]
+    root = Path(os.environ.get("TREEDRAFT_CACHE", Path.home() / ".cache" / "treedraft"))
+    out = root / "imported" / key
+    if not (out / "config.json").is_file():
+        head.save_pretrained(out, provenance={"imported_from": str(source),
+                                              "format": "speculators eagle3"})
+    return out
 
 
 def target_signature(model_config) -> Any:
@@ -108,6 +134,9 @@ def rewrite(engine_args, target_model_config) -> None:
                 f"folder (config.json with head_type) or a shipped head name, got {sc.get('model')!r}"
             )
         return
+    speculators = _is_speculators(head_dir)
+    if speculators and sc.get("method") == "eagle3":
+        return  # a speculators EAGLE-3 folder asked for by vLLM's own method: vLLM serves it
     if sc.get("method") not in (None, KEY, "custom_class"):
         raise ValueError(
             f"--speculative-config: {head_dir} is a treedraft head, but method={sc['method']!r}; "
@@ -116,14 +145,22 @@ def rewrite(engine_args, target_model_config) -> None:
     from treedraft.heads.common import load_head
 
     head_config = json.loads((head_dir / "config.json").read_text())
+    if speculators:  # default tree: ours if we exported it, else the folder's own chain length
+        methods = (head_config.get("speculators_config") or {}).get("proposal_methods") or [{}]
+        head_config = {"default_tree": (head_config.get("treedraft") or {}).get("default_tree")
+                       or f"chain:{methods[0].get('speculative_tokens') or 3}"}
     spec = resolve_tree(sc, head_config)
     if not spec.has_head:
         raise ValueError(
             f"--speculative-config: tree {spec.to_string()!r} drafts by prompt lookup alone, "
             f"without a head, but 'model' names the head {head_dir}; drop 'model' and set "
             f"'method': 'treedraft', or add a head tree (e.g. 'chain:2+{spec.to_string()}')")
-    head = load_head(head_dir)  # CPU, small; refuses a corrupt or unknown head
-    head.check_target(target_signature(target_model_config))
+    target_sig = target_signature(target_model_config)
+    # CPU, small; refuses a corrupt or unknown head (a speculators folder: checked on load)
+    head = load_head(head_dir, target=target_sig if speculators else None)
+    head.check_target(target_sig)
+    if speculators:  # the workers load a treedraft folder converted once here
+        head_dir = imported_dir(head, head_dir)
     if spec.max_nodes > 1 and head.head_type == "medusa":
         depth = max(len(p) for p in spec.paths) if spec.kind == "paths" else None
         if depth is not None and depth > head.config.num_heads:

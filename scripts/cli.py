@@ -116,11 +116,20 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
                    help="every N-th prompt (mtbench --stride 5: 16 prompts, 2 per category)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--json", default=None, help="write the full report here")
+    p.add_argument("--engine", choices=("reference", "vllm"), default="reference",
+                   help="reference: the pure-torch reference decoder, one prompt at a time (the "
+                        "ground truth); vllm: a batched vLLM engine with the plugin, same report "
+                        "(minutes for the full MT-bench instead of hours)")
+    p.add_argument("--batch-size", type=int, default=16,
+                   help="--engine vllm: requests per wave")
+    p.add_argument("--dtype", default="float32",
+                   help="--engine vllm: float32 (as the reference), bfloat16, or auto (this "
+                        "machine's choice)")
 
 
 @command("eval", _eval_args)
 def cmd_eval(args: argparse.Namespace) -> None:
-    """Offline acceptance evaluator: the reference tree decoder over a prompt set."""
+    """Acceptance evaluator: a head's tree over a prompt set (reference decoder or vLLM)."""
     import json
 
     from treedraft.training.evaluate import EvalConfig, evaluate, write_report
@@ -129,7 +138,12 @@ def cmd_eval(args: argparse.Namespace) -> None:
                      temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                      max_new_tokens=args.max_new_tokens, limit=args.limit, stride=args.stride,
                      seed=args.seed)
-    report = evaluate(cfg)
+    if args.engine == "vllm":
+        from treedraft.scripts.eval_vllm import evaluate_vllm
+
+        report = evaluate_vllm(cfg, batch_size=args.batch_size, dtype=args.dtype)
+    else:
+        report = evaluate(cfg)
     if args.json:
         write_report(report, args.json)
     summary = {k: v for k, v in report.items() if k not in ("outputs", "config")}
@@ -211,6 +225,40 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 cmd_train.accepts_overrides = True  # main() hands it the unparsed --key=value arguments
+
+
+def _export_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("head", help="treedraft head folder or shipped name (eagle3 layout)")
+    p.add_argument("out", help="folder to write")
+    p.add_argument("--format", choices=("speculators",), default="speculators",
+                   help="speculators: EAGLE-3 as vLLM/SGLang load it ({'method': 'eagle3'})")
+    p.add_argument("--target", default="smollm2-135m",
+                   help="the target it drafts for (recorded as the verifier; checked)")
+    p.add_argument("--num-speculative-tokens", type=int, default=3,
+                   help="chain length recorded in the config (vLLM's default K for it)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="weights dtype (default: as stored)")
+
+
+@command("export", _export_args)
+def cmd_export(args: argparse.Namespace) -> None:
+    """Write a head in another ecosystem's format (EAGLE-3 speculators, for stock vLLM)."""
+    import torch
+
+    from treedraft.heads.speculators import save_speculators
+    from treedraft.training.heads_zoo import load_head_for
+    from treedraft.training.models import resolve_model
+    from treedraft.training.target import load_target, target_signature
+
+    loaded = load_target(args.target)
+    head = load_head_for(args.head, loaded.model,
+                         target_signature(loaded.model, loaded.tokenizer))
+    out = save_speculators(head, args.out, verifier=str(resolve_model(args.target)),
+                           num_speculative_tokens=args.num_speculative_tokens,
+                           dtype=getattr(torch, args.dtype) if args.dtype else None)
+    print(f"wrote {out}: serve it with vllm serve {resolve_model(args.target)} "
+          f"--speculative-config '{{\"method\": \"eagle3\", \"model\": \"{out}\", "
+          f"\"num_speculative_tokens\": {args.num_speculative_tokens}}}'")
 
 
 def _load_args(p: argparse.ArgumentParser) -> None:

@@ -46,11 +46,13 @@ RESULT, PROGRESS = "TREEDRAFT_RESULT ", "TREEDRAFT_PROGRESS "
 
 def run_engine(target: str, speculative_config: dict | None, jobs: list[dict], *,
                llm: dict | None = None, timeout: int = 1200,
-               progress: Callable[[dict], None] | None = None) -> tuple[dict, str]:
+               progress: Callable[[dict], None] | None = None,
+               env: dict[str, str] | None = None) -> tuple[dict, str]:
     """Run `jobs` on a fresh engine; returns (results by job name, the child's log).
 
     progress: called in this thread's caller with each event the child reports, as it comes:
-    {"ready": seconds to start the engine} once, then {"job": name, "tokens": n} per wave."""
+    {"ready": seconds to start the engine} once, then {"job": name, "tokens": n} per wave.
+    env: extra environment of the engine process (e.g. VLLM_PLUGINS=none: stock vLLM)."""
     request = {"target": str(target), "speculative_config": speculative_config,
                "llm": llm or {}, "jobs": jobs}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -59,7 +61,7 @@ def run_engine(target: str, speculative_config: dict | None, jobs: list[dict], *
     try:
         proc = subprocess.Popen([sys.executable, "-m", "treedraft.scripts.engine", f.name],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=engine_env())
+                                env={**engine_env(), **(env or {})})
         timer = threading.Timer(timeout, proc.kill)  # a hung engine must not hang the caller
         timer.start()
         try:

@@ -3,7 +3,8 @@
 * `treedraft eval` with a randomly initialized EAGLE head: tau ~ 1 (nothing to accept), every
   metric present, and greedy outputs identical to the `--head none` plain-decoding baseline.
 * Bad input stops with one clear line and a non-zero exit: unknown model, bad tree spec,
-  a JSONL line with neither `prompt` nor `messages`.
+  a JSONL line with neither `prompt` nor `messages`; `treedraft eval --engine vllm` refuses a
+  bad tree, a lookup tree with a head and a bad batch size before any engine starts.
 """
 
 from __future__ import annotations
@@ -68,6 +69,39 @@ def test_bad_tree_spec_is_refused(random_eagle):
     r = run("eval", "--head", str(random_eagle), "--tree", "chain:0", "--limit", "1")
     assert r.returncode != 0
     assert "chain:K" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_eval_vllm_refuses_bad_input_before_the_engine(random_eagle):
+    # each would only fail minutes later inside the engine; here: one line, no engine started
+    for args, msg in [(("--tree", "chain:0"), "chain:K"),
+                      (("--tree", "lookup:4"), "drafts without a head: use --head none"),
+                      (("--batch-size", "0"), "--batch-size 0 must be >= 1")]:
+        r = run("eval", "--engine", "vllm", "--head", str(random_eagle), "--limit", "1", *args)
+        assert r.returncode != 0, args
+        assert msg in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+        assert "TREEDRAFT_PROGRESS" not in r.stdout + r.stderr
+
+
+def test_eval_vllm_jobs_and_configs():
+    from treedraft.scripts.eval_vllm import eval_jobs, speculative_config
+    from treedraft.training.evaluate import EvalConfig, engine_summary
+
+    assert speculative_config(None, None) is None
+    assert speculative_config(None, "lookup:8") == {"method": "treedraft", "tree": "lookup:8"}
+    assert speculative_config("/h", "chain:5") == {"model": "/h", "tree": "chain:5"}
+    greedy = eval_jobs([[1], [2]], EvalConfig(max_new_tokens=7), 2)[0]
+    assert [p.get("seed") for p in greedy["params"]] == [None, None]
+    assert greedy["params"][0] == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_tokens": 7}
+    sampled = eval_jobs([[1], [2], [3]], EvalConfig(temperature=1.0, seed=5), None)[0]
+    assert [p["seed"] for p in sampled["params"]] == [5, 6, 7]  # the reference's seed + i
+    # vLLM counters -> the reference's report keys: 10 steps accepting 6, 3, 1 at depths 1..3
+    counts = {"drafts": 10, "draft_tokens": 30, "accepted": 10, "accepted_per_pos": [6, 3, 1],
+              "accepted_by_source": {"head": 10}}
+    r = engine_summary(counts, [[0] * 12, [0] * 8], "chain:3", 3)
+    assert r["mean_acceptance_length"] == 2.0 and r["tokens_generated"] == 20
+    assert r["per_position_acceptance"] == [0.6, 0.3, 0.1] and r["mean_tree_size"] == 3.0
+    assert 0 < r["alpha_implied"] < 1
 
 
 def test_bad_jsonl_line_names_the_line(tmp_path):

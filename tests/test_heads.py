@@ -70,11 +70,15 @@ def make_medusa(**kw) -> MedusaHeads:
     return heads
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle_fused_dv", "medusa", "medusa_own"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle_fused_dv", "eagle3_normed", "medusa",
+                                  "medusa_own"])
 def test_save_load_round_trip(tmp_path, kind):
     head = {
         "eagle": lambda: make_eagle(),
         "eagle_fused_dv": lambda: make_eagle(target_layer_ids=(1, 2, -2), draft_vocab_size=20),
+        "eagle3_normed": lambda: make_eagle(layout="eagle3", target_layer_ids=(1, 2, -2),
+                                            draft_vocab_size=20, fuse_norm=True,
+                                            norm_before_fc=True, norm_before_residual=True),
         "medusa": lambda: make_medusa(),
         "medusa_own": lambda: make_medusa(own_lm_head=True, num_layers=2),
     }[kind]()
@@ -201,8 +205,9 @@ def test_eagle_expand_topk_equals_topk_of_expand(draft_vocab):
         torch.testing.assert_close(fast.logprobs, slow.logprobs, rtol=0, atol=1e-6)
 
 
-def test_eagle_incremental_equals_full_sequence():
-    head = make_eagle()
+@pytest.mark.parametrize("layout", ["eagle1", "eagle3"])
+def test_eagle_incremental_equals_full_sequence(layout):
+    head = make_eagle(layout=layout)
     T = 9
     feats, ids = torch.randn(2, T, H), torch.randint(0, V, (2, T))
     pos = torch.arange(T).expand(2, T)
@@ -216,8 +221,9 @@ def test_eagle_incremental_equals_full_sequence():
     assert kv[0].shape == (2, 2, T, 8)
 
 
-def test_eagle_tree_expansion_equals_chains():
-    head = make_eagle()
+@pytest.mark.parametrize("layout", ["eagle1", "eagle3"])
+def test_eagle_tree_expansion_equals_chains(layout):
+    head = make_eagle(layout=layout)
     g = torch.Generator().manual_seed(3)
     prefix_h, prefix_tok = torch.randn(6, H, generator=g), torch.randint(0, V, (6,), generator=g)
     parents = torch.tensor([-1, 0, 0, 0, 1, 1, 2, 4, 4, 7])

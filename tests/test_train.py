@@ -69,10 +69,15 @@ def losses(out) -> list[float]:
     return [r["loss"] for r in lines if "loss" in r]
 
 
-@pytest.mark.parametrize("head_type", ["eagle", "medusa"])
+@pytest.mark.parametrize("head_type", ["eagle", "eagle3", "medusa"])
 def test_cli_train_writes_loadable_head(tiny, tmp_path, capsys, head_type):
-    extra = ["--head.draft_vocab_size=512"] if head_type == "eagle" else ["--head.num_heads=2"]
-    main(["train", *args(tiny, tmp_path, head_type=head_type), *extra])
+    extra = {"eagle": ["--head.draft_vocab_size=512"],
+             # EAGLE-3's layer and per-layer norms before fuse, layers vLLM can export
+             "eagle3": ["--head.draft_vocab_size=512", "--head.layout=eagle3",
+                        "--head.fuse_norm=true", "--head.target_layer_ids=[0,1]"],
+             "medusa": ["--head.num_heads=2"]}[head_type]
+    layout, head_type = head_type, head_type.replace("eagle3", "eagle")
+    main(["train", *args(tiny, tmp_path, head_type=head_type, measure_every=2), *extra])
     final = tmp_path / "final"
     assert str(final) in capsys.readouterr().out
     head = load_head(final)
@@ -86,10 +91,27 @@ def test_cli_train_writes_loadable_head(tiny, tmp_path, capsys, head_type):
     assert prov["eval"]["mean_acceptance_length"] >= 1.0
     assert json.loads((final / "train_config.json").read_text())["head_type"] == head_type
     assert len(losses(tmp_path)) == 4
+    log = [json.loads(ln) for ln in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    held = [(r["step"], r["heldout"]) for r in log if "heldout" in r]  # the learning curve
+    assert [s for s, _ in held] == [2, 4]
+    assert all(len(h["top1"]) == depth and all(0 <= a <= b <= 1 for a, b in
+                                               zip(h["top1"], h["topk"], strict=True))
+               for _, h in held)
+    assert held[-1][1]["top1"] == [r[0] for r in rates]  # the rates the head ships with
     ckpts = sorted((tmp_path / "checkpoints").iterdir())
     assert [c.name for c in ckpts] == ["step-0000004"]
     assert {"trainer_state.pt", "train_config.json", "provenance.json"} <= {
         p.name for p in ckpts[0].iterdir()}
+    if layout == "eagle3":  # trained in EAGLE-3's layout: exports for stock vLLM, loads back
+        from treedraft.heads.speculators import save_speculators
+
+        assert head.config.layout == "eagle3" and head.fuse_norms is not None
+        out = save_speculators(head, tmp_path / "spec", verifier="tiny")
+        back = load_head(out, target=head.config.target)
+        assert back.config.fuse_norm and back.config.target_layer_ids == (0, 1)
+        with pytest.raises(ValueError, match="eagle3 layout feeds a pre-norm stream"):
+            train(cfg_of(tiny, tmp_path / "fl", feature_loss_weight=0.1,
+                         **{"head.layout": "eagle3"}))
 
 
 def test_kill_and_resume_matches_uninterrupted(tiny, tmp_path, monkeypatch):
@@ -308,16 +330,41 @@ def test_bad_inputs_fail_before_expensive_work(tiny, tmp_path, monkeypatch):
     empty.write_text("\n")
     with pytest.raises(ValueError, match="has no prompts"):
         train(cfg_of(tiny, tmp_path, data=empty))
-    with pytest.raises(ValueError, match=r"gave 8 prompts, but eval_prompts=8 are held out"):
+    with pytest.raises(ValueError, match=r"gave 8 prompts after prompt_offset=0, but eval_prompts=8 are held out"):
         train(cfg_of(tiny, tmp_path, eval_prompts=8))
     with pytest.raises(ValueError, match=r"8 of 8 prompts .* have >= max_seq_len=12 tokens "
                                          r".*--max_seq_len=.*--long_prompts=skip"):
         train(cfg_of(tiny, tmp_path, max_seq_len=12))
     with pytest.raises(ValueError, match="step_weights has 1 entries but there are 2 unroll"):
         train(cfg_of(tiny, tmp_path, step_weights="[1.0]"))
-    with pytest.raises(ValueError, match="8 prompts have no assistant reply.*regenerate=true"):
+    with pytest.raises(ValueError, match="none of the 8 prompts has an assistant reply.*regenerate=true"):
         train(cfg_of(tiny, tmp_path, regenerate="false"))
     assert not (tmp_path / "data").exists()
+
+
+def test_unroll_curriculum_deepens_to_the_full_depth(tiny, tmp_path):
+    from treedraft.training.loop import curriculum_depth
+
+    assert [curriculum_depth(p, 4, 0.5) for p in (0, 0.1, 0.2, 0.3, 0.4, 1)] == [1, 1, 2, 3, 4, 4]
+    assert curriculum_depth(0.0, 4, 0.0) == 4
+    train(cfg_of(tiny, tmp_path, unroll_steps=3, unroll_curriculum=0.5, max_steps=4))
+    log = [json.loads(ln) for ln in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert [len(r["top1"]) for r in log if "loss" in r] == [1, 2, 3, 3]  # depth per step
+    with pytest.raises(ValueError, match=r"unroll_curriculum=1.5 must be in \[0, 1\]"):
+        cfg_of(tiny, tmp_path, unroll_curriculum=1.5).validate()
+
+
+def test_prompt_offset_skips_the_first_prompts(tiny, tmp_path):
+    from treedraft.training.loop import load_rows
+
+    train_all, held_all = load_rows(cfg_of(tiny, tmp_path, num_prompts=7, eval_prompts=1))
+    rows = train_all + held_all
+    train_rows, held = load_rows(cfg_of(tiny, tmp_path, num_prompts=3, eval_prompts=2,
+                                        prompt_offset=2))
+    assert [r[0] for r in train_rows] == [r[0] for r in rows[2:5]]
+    assert [r[0] for r in held] == [r[0] for r in rows[5:7]]
+    with pytest.raises(ValueError, match="after prompt_offset=7, but eval_prompts=1"):
+        load_rows(cfg_of(tiny, tmp_path, prompt_offset=7))
 
 
 @pytest.mark.parametrize("recipe", ["smollm2-135m-eagle", "smollm2-135m-medusa", "tiny-cpu"])

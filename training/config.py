@@ -45,6 +45,8 @@ class TrainConfig:
     # --- data
     data: str = "sharegpt"  # sharegpt | humaneval | FILE.jsonl (never mtbench)
     num_prompts: int = 1000  # training prompts (the first ones of `data`, MT-bench rows dropped)
+    prompt_offset: int = 0  # skip this many prompts of `data` first: continue a head (init_from)
+    #   on prompts it has not seen (the shipped EAGLE head saw the first 2400 of sharegpt)
     eval_prompts: int = 4  # held-out prompts after the training ones (same source)
     long_prompts: str = "error"  # prompts with >= max_seq_len tokens: error | skip
     regenerate: bool = True  # self-distillation: the target writes the replies
@@ -69,6 +71,8 @@ class TrainConfig:
     epochs: float = 1.0
     grad_clip: float = 1.0  # max grad norm; 0 = off
     unroll_steps: int = 3  # EAGLE training-time test depth D (1 = plain teacher forcing)
+    unroll_curriculum: float = 0.0  # EAGLE: the unroll depth grows from 1 to unroll_steps over
+    #   this first fraction of the run (steps, or time with time_limit_minutes); 0 = full depth
     step_weights: list[float] | None = None  # weight of unroll step / Medusa head k; None -> decay**k
     step_weight_decay: float = 0.8
     feature_loss_weight: float = 0.0  # EAGLE-1 smooth-L1 regression to the target's feature
@@ -81,6 +85,8 @@ class TrainConfig:
     #   compiling at start; ~2x for the float32 target on CPU, little on top of bfloat16
     # --- evaluation, checkpoints, logging
     eval_every: int = 0  # steps between run_eval on the held-out prompts; 0 = only at the end
+    measure_every: int = 0  # steps between teacher-forced held-out top-1/top-k per unroll depth
+    #   (cheap: one head forward over the held-out sequences; logged as `heldout`); 0 = end only
     eval_tree: str | None = None  # None -> the head's default_tree
     eval_max_new_tokens: int = 64
     eval_temperature: float = 0.0
@@ -120,8 +126,12 @@ class TrainConfig:
             raise ValueError(f"max_steps={self.max_steps} must be >= 1 (or none: use epochs)")
         if self.max_steps is None and self.epochs <= 0:
             raise ValueError(f"epochs={self.epochs} must be > 0 when max_steps is none")
+        if not 0 <= self.unroll_curriculum <= 1:
+            raise ValueError(f"unroll_curriculum={self.unroll_curriculum} must be in [0, 1]")
         if not 0 < self.decay_fraction <= 1:
             raise ValueError(f"decay_fraction={self.decay_fraction} must be in (0, 1]")
+        if self.prompt_offset < 0:
+            raise ValueError(f"prompt_offset={self.prompt_offset} must be >= 0")
         if self.eval_prompts < 0:
             raise ValueError(f"eval_prompts={self.eval_prompts} must be >= 0")
         if self.data == "mtbench":
@@ -151,7 +161,8 @@ class TrainConfig:
 
 # Keys a --resume may change: they do not alter the math of the steps already taken.
 RESUMABLE_KEYS = frozenset({
-    "out_dir", "data_dir", "max_steps", "epochs", "eval_every", "eval_tree", "eval_max_new_tokens",
+    "out_dir", "data_dir", "max_steps", "epochs", "eval_every", "measure_every", "eval_tree",
+    "eval_max_new_tokens",
     "eval_temperature", "save_every", "keep_checkpoints", "stop_after_steps",
     "time_limit_minutes", "progress", "acceptance_depth", "acceptance_topk", "num_threads",
 })

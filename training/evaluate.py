@@ -102,6 +102,27 @@ def summarize(results: list[DecodeResult], spec: str | None, gamma: int) -> dict
     }
 
 
+def engine_summary(counts: dict, tokens: list[list[int]], spec: str | None, gamma: int) -> dict:
+    """`summarize`'s keys from a vLLM engine's spec-decode counters (scripts/engine.py
+    `counter_delta`) and its outputs. vLLM counts only steps that drafted: for a head's trees
+    that is every step, so tau and per-depth acceptance equal the reference decoder's."""
+    drafts = counts["drafts"]
+    per_pos = list(counts["accepted_per_pos"]) + [0] * gamma
+    tau = 1 + counts["accepted"] / drafts if drafts else 1.0
+    return {
+        "mean_acceptance_length": tau,
+        "per_position_acceptance": [per_pos[d] / max(drafts, 1) for d in range(gamma)],
+        "alpha_implied": implied_alpha(tau, gamma) if gamma else 0.0,
+        "num_verify_steps": None,  # vLLM does not count steps that drafted nothing
+        "num_drafting_steps": drafts,
+        "tokens_generated": sum(len(t) for t in tokens),
+        "mean_tree_size": counts["draft_tokens"] / drafts if drafts else 0.0,
+        "accepted_by_source": dict(counts.get("accepted_by_source") or {}),
+        "tree": spec,
+        "tree_depth": gamma,
+    }
+
+
 def run_eval(
     loaded,
     head,

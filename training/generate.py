@@ -73,7 +73,8 @@ def build_sequences(loaded, rows: list[tuple[str, list[dict]]], cfg: TrainConfig
         replies = regenerate(loaded, prompts, cfg, data_dir)
     else:
         replies = dataset_replies(loaded.tokenizer, rows, dict(prompts))
-    return [Seq(rid, (ids + replies[rid])[: cfg.max_seq_len], len(ids)) for rid, ids in prompts]
+    return [Seq(rid, (ids + replies[rid])[: cfg.max_seq_len], len(ids)) for rid, ids in prompts
+            if rid in replies]
 
 
 def dataset_replies(tokenizer, rows, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
@@ -96,9 +97,12 @@ def dataset_replies(tokenizer, rows, prompts: dict[str, list[int]]) -> dict[str,
             raise ValueError(f"prompt {rid}: the chat template of prompt+reply does not start "
                              "with the prompt's template; use regenerate=true")
         out[rid] = full[len(p):]
+    if missing and not out:
+        raise ValueError(f"none of the {len(missing)} prompts has an assistant reply (e.g. "
+                         f"{missing[:3]}); use regenerate=true to let the target write them")
     if missing:
-        raise ValueError(f"{len(missing)} prompts have no assistant reply (e.g. {missing[:3]}); "
-                         "use regenerate=true to let the target write them")
+        print(f"skipping {len(missing)} of {len(missing) + len(out)} prompts without an assistant "
+              f"reply (e.g. {missing[:3]}); regenerate=true lets the target write them")
     return out
 
 

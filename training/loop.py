@@ -64,14 +64,15 @@ def load_rows(cfg: TrainConfig) -> tuple[list, list]:
     """(training rows, held-out rows) of (id, messages); MT-bench never enters."""
     from .data import assert_no_mtbench, load_prompts
 
-    ds = load_prompts(cfg.data, limit=cfg.num_prompts + cfg.eval_prompts, purpose="train")
+    ds = load_prompts(cfg.data, limit=cfg.prompt_offset + cfg.num_prompts + cfg.eval_prompts,
+                      purpose="train")
     assert_no_mtbench(ds)
-    rows = list(zip(ds["id"], ds["messages"], strict=True))
+    rows = list(zip(ds["id"], ds["messages"], strict=True))[cfg.prompt_offset:]
     if len(rows) <= cfg.eval_prompts:
         raise ValueError(
-            f"data={cfg.data!r} gave {len(rows)} prompts, but eval_prompts={cfg.eval_prompts} "
-            "are held out and at least one is needed for training; add prompts or lower "
-            "eval_prompts"
+            f"data={cfg.data!r} gave {len(rows)} prompts after prompt_offset="
+            f"{cfg.prompt_offset}, but eval_prompts={cfg.eval_prompts} are held out and at least "
+            "one is needed for training; add prompts or lower eval_prompts or prompt_offset"
         )
     cut = len(rows) - cfg.eval_prompts
     return rows[:cut], rows[cut:]
@@ -84,6 +85,14 @@ def choose_draft_vocab(seqs: list[Seq], vocab_size: int, k: int) -> torch.Tensor
         counts += torch.bincount(torch.tensor(s.input_ids[s.prompt_len:], dtype=torch.long),
                                  minlength=vocab_size)
     return torch.argsort(-counts, stable=True)[:k]
+
+
+def curriculum_depth(progress: float, full: int, fraction: float) -> int:
+    """Unroll depth at `progress` (0..1) of the run: 1 at the start, growing linearly to `full`
+    over the first `fraction` of the run (0 = always `full`)."""
+    if fraction <= 0:
+        return full
+    return min(full, 1 + int(full * progress / fraction))
 
 
 def lr_lambda(warmup: int, total: int, schedule: str = "cosine", decay_fraction: float = 0.2,
@@ -115,6 +124,10 @@ class Objective(nn.Module):
         if head.head_type == "eagle":
             self.weights = cfg.loss_weights(cfg.unroll_steps, "unroll steps")
             self.fw = cfg.feature_loss_weight
+            if self.fw and head.config.layout == "eagle3":
+                raise ValueError("feature_loss_weight > 0 regresses the head's output onto the "
+                                 "target's post-norm feature (EAGLE-1); the eagle3 layout feeds "
+                                 "a pre-norm stream forward: set feature_loss_weight=0")
         else:
             self.weights = cfg.loss_weights(head.config.num_heads, "medusa heads")
         # compiled callables only; the head module itself stays eager (drafting in run_eval)
@@ -122,9 +135,12 @@ class Objective(nn.Module):
         self.head_forward = compile_(head.forward)
         self.kl = compile_(soft_kl)
 
+    depth: int | None = None  # unroll curriculum: the depth of this step (None = all)
+
     def forward(self, batch):
         if self.head.head_type == "eagle":
-            return eagle_loss(self.head, batch, self.weights, self.fw, self.head_forward, self.kl)
+            return eagle_loss(self.head, batch, self.weights[: self.depth], self.fw,
+                              self.head_forward, self.kl)
         return medusa_loss(self.head, batch, self.weights, self.kl)
 
 
@@ -252,6 +268,9 @@ def train(cfg: TrainConfig, resume: str | os.PathLike | None = None) -> Path | N
                disable=not (cfg.progress and d.main))
     train_time, run_tokens, started = 0.0, 0, step
     while step < total:
+        if cfg.unroll_curriculum and head.head_type == "eagle":
+            progress = max(step / total, clock() if clock is not None else 0.0)
+            objective.depth = curriculum_depth(progress, cfg.unroll_steps, cfg.unroll_curriculum)
         t0 = time.perf_counter()
         rec = train_step(model, head, batch_fn, order, optimizer, cfg, d, autocast)
         scheduler.step()
@@ -269,12 +288,14 @@ def train(cfg: TrainConfig, resume: str | os.PathLike | None = None) -> Path | N
             and time.perf_counter() - t_run > 60 * cfg.time_limit_minutes)
         if stop:
             break
+        if cfg.measure_every and step % cfg.measure_every == 0 and step < total and d.main:
+            log_heldout(cfg, head, measure_fn, measure_seqs, step, log)
         if cfg.eval_every and step % cfg.eval_every == 0 and step < total:
             evaluate(cfg, loaded, head, eval_rows, step, log, d)
         if cfg.save_every and step % cfg.save_every == 0 and step < total:
             save(step)
     bar.close()
-    head.config.acceptance_rates = measure(cfg, head, measure_fn, measure_seqs)
+    head.config.acceptance_rates = log_heldout(cfg, head, measure_fn, measure_seqs, step, log)
     result = evaluate(cfg, loaded, head, eval_rows, step, log, d)
     save(step)  # the last checkpoint also carries the measured acceptance rates
     if not d.main:
@@ -409,6 +430,21 @@ def measure(cfg: TrainConfig, head, batch_fn, seqs: list[Seq]) -> list[list[floa
         hits, counts = hits + h, counts + c
     head.train(was_training)
     return acceptance_rates(hits, counts)
+
+
+def log_heldout(cfg: TrainConfig, head, batch_fn, seqs: list[Seq], step: int, log
+                ) -> list[list[float]]:
+    """`measure` on the held-out sequences, logged as {"heldout": {"top1": [per depth],
+    "topk": [per depth]}}: the cheap training-time signal of the learning curve."""
+    rates = measure(cfg, head, batch_fn, seqs)
+    top1, topk = [r[0] for r in rates], [sum(r) for r in rates]
+    log.write({"step": step, "heldout": {"top1": top1, "topk": topk, "k": cfg.acceptance_topk}})
+    if cfg.progress:
+        from tqdm.auto import tqdm
+
+        tqdm.write(f"step {step}: held-out teacher-forced top-1 per depth "
+                   + " ".join(f"{x:.3f}" for x in top1))
+    return rates
 
 
 def evaluate(cfg: TrainConfig, loaded, head, rows, step: int, log, d: Dist) -> dict | None:

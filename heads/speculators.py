@@ -1,0 +1,294 @@
+"""EAGLE-3 heads in the speculators format, both ways (pure torch + safetensors, no vLLM).
+
+The speculators format is what vLLM, SGLang and TensorRT-LLM load for EAGLE-3: `config.json`
+with `speculators_model_type: "eagle3"`, the draft layer's Llama config under
+`transformer_layer_config`, and weights named as vLLM 0.32's `llama_eagle3.py` reads them:
+
+    fc.weight [H, n*H]                  fuse (the n target layers' concat -> H)
+    fc_norm.{i}.weight / input_norm.weight   optional norms before fc (fuse_norm / norm_before_fc)
+    midlayer.* or layers.0.*            the one decoder layer: input_layernorm (embedding norm),
+                                        hidden_norm (feature norm), self_attn.{q,k,v,o}_proj
+                                        (q/k/v read 2H), post_attention_layernorm, mlp.*
+    norm.weight                         final norm (logits read norm(feature))
+    lm_head.weight [Vd, H]              absent: the target's LM head (full vocabulary)
+    d2t [Vd] (target id - draft id), t2d [V] bool    absent when Vd == V
+    embed_tokens.weight [V, H]          absent: the target's embedding
+
+`load_speculators(path, target)` builds an `EagleHead(layout="eagle3")` with identical math;
+`save_speculators(head, out, ...)` writes one that stock vLLM serves with
+`{"method": "eagle3", "model": out, "num_speculative_tokens": K}`.
+
+Target layers: vLLM's `eagle_aux_hidden_state_layer_ids` i is the residual stream after i target
+layers, i.e. Hugging Face's `hidden_states[i]` for 0 <= i < L (treedraft's `target_layer_ids`);
+i = L would be the PRE-norm output where treedraft's L is the post-norm one, so export refuses it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .common import CONFIG_NAME, WEIGHTS_NAME, TargetSignature
+from .eagle import EagleConfig, EagleHead
+
+FORMAT_KEY = "speculators_model_type"
+SIGNATURE_KEY = "treedraft_target"  # our exports carry the full target signature
+
+
+def is_speculators(config: dict[str, Any]) -> bool:
+    return FORMAT_KEY in config
+
+
+def default_layer_ids(num_layers: int) -> tuple[int, ...]:
+    """vLLM's default EAGLE-3 target layers when a config names none."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def _refuse(path, field: str, value, want) -> None:
+    raise ValueError(f"{path}: {field}={value!r} is not supported (supported: {want}); "
+                     "treedraft serves single-layer Llama-style EAGLE-3 heads")
+
+
+def _layer_config(path, cfg: dict) -> dict:
+    if cfg.get(FORMAT_KEY) != "eagle3":
+        _refuse(path, FORMAT_KEY, cfg.get(FORMAT_KEY), "'eagle3'")
+    layer = cfg.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise ValueError(f"{path}: transformer_layer_config is missing or not an object; a "
+                         "speculators EAGLE-3 config holds the draft layer's Llama config there")
+    checks = [("transformer_layer_config.model_type", layer.get("model_type", "llama"),
+               ("llama",)),
+              ("transformer_layer_config.num_hidden_layers", layer.get("num_hidden_layers", 1),
+               (1,)),
+              ("transformer_layer_config.hidden_act", layer.get("hidden_act", "silu"), ("silu",)),
+              ("transformer_layer_config.attention_bias", layer.get("attention_bias", False),
+               (False,)),
+              ("transformer_layer_config.mlp_bias", layer.get("mlp_bias", False), (False,)),
+              ("transformer_layer_config.rope_scaling", layer.get("rope_scaling"), (None,)),
+              ("norm_output", cfg.get("norm_output", False), (False,))]
+    for field, value, ok in checks:
+        if value not in ok:
+            _refuse(path, field, value, " or ".join(repr(v) for v in ok))
+    return layer
+
+
+def _signature(path, cfg: dict, layer: dict, target: TargetSignature | None) -> TargetSignature:
+    if SIGNATURE_KEY in cfg:  # a treedraft export: the full signature
+        return TargetSignature.from_dict(cfg[SIGNATURE_KEY])
+    if target is None:
+        raise ValueError(f"{path}: a speculators config does not record the target's layer count "
+                         "or tokenizer; load it with the target (load_head(path, target=...))")
+    verifier = (cfg.get("speculators_config") or {}).get("verifier") or {}
+    archs = verifier.get("architectures") or []
+    hidden = cfg.get("target_hidden_size") or layer["hidden_size"]
+    # what the head knows of its target; the rest is the target's own (unknowable here)
+    return TargetSignature(architecture=archs[0] if archs else None, hidden_size=hidden,
+                           vocab_size=layer["vocab_size"],
+                           num_hidden_layers=target.num_hidden_layers,
+                           tokenizer_fingerprint=None)
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        bins = sorted(path.glob("pytorch_model*.bin"))
+        if not bins:
+            raise FileNotFoundError(f"{path}: no *.safetensors or pytorch_model*.bin weights")
+        state = {}
+        for b in bins:
+            state.update(torch.load(b, map_location="cpu", weights_only=True))
+        return state
+    state = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def load_speculators(path: str | os.PathLike, target: TargetSignature | None = None
+                     ) -> EagleHead:
+    """An EAGLE-3 head in the speculators format as an `EagleHead(layout="eagle3")`."""
+    path = Path(path)
+    cfg = json.loads((path / CONFIG_NAME).read_text())
+    layer = _layer_config(path, cfg)
+    sig = _signature(path, cfg, layer, target)
+    if target is not None:
+        from .common import raise_mismatches
+
+        raise_mismatches(sig.mismatches(target))
+    L = sig.num_hidden_layers
+    ids = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids") or default_layer_ids(L)
+    bad = [i for i in ids if not 0 <= i < L]
+    if bad:
+        raise ValueError(f"{path}: eagle_aux_hidden_state_layer_ids={list(ids)} has {bad} outside "
+                         f"0..{L - 1} for a {L}-layer target")
+    state = {k.removeprefix("model."): v for k, v in read_weights(path).items()}
+    if "mask_hidden" in state:
+        _refuse(path, "mask_hidden (parallel drafting)", "present", "absent")
+    V = sig.vocab_size
+    vd = cfg.get("draft_vocab_size") or layer.get("draft_vocab_size") or V
+    if vd != V and "d2t" not in state:
+        raise ValueError(f"{path}: draft_vocab_size={vd} < vocab_size={V} but the weights have no "
+                         "d2t (draft -> target id offsets); export the head with its vocab map")
+    econf = EagleConfig(
+        hidden_size=layer["hidden_size"], num_attention_heads=layer["num_attention_heads"],
+        num_key_value_heads=layer.get("num_key_value_heads", layer["num_attention_heads"]),
+        intermediate_size=layer["intermediate_size"], target=sig,
+        rms_norm_eps=layer.get("rms_norm_eps", 1e-6), rope_theta=layer.get("rope_theta", 10000.0),
+        head_dim=layer.get("head_dim"), target_layer_ids=tuple(ids),
+        draft_vocab_size=None if vd == V and "lm_head.weight" not in state else vd,
+        layout="eagle3", fuse_norm=bool(cfg.get("fc_norm", False)),
+        norm_before_fc=bool(cfg.get("norm_before_fc", False)),
+        # vLLM's default when the key is absent (speculators/algos.py)
+        norm_before_residual=bool(cfg.get("norm_before_residual", True)),
+        own_embedding="embed_tokens.weight" in state)
+    if "default_tree" in cfg.get("treedraft", {}):
+        econf.default_tree = cfg["treedraft"]["default_tree"]
+    head = EagleHead(econf)
+    ours = _from_speculators_names(state, econf, path)
+    want = head.state_dict()
+    missing, unexpected = sorted(set(want) - set(ours)), sorted(set(ours) - set(want))
+    if missing or unexpected:
+        raise ValueError(f"{path}: weights do not match the config: missing {missing}, "
+                         f"unexpected {unexpected}")
+    for k, v in ours.items():
+        if tuple(v.shape) != tuple(want[k].shape):
+            raise ValueError(f"{path}: tensor for {k} has shape {list(v.shape)}, the config "
+                             f"needs {list(want[k].shape)}")
+    head.load_state_dict({k: v.to(want[k].dtype) for k, v in ours.items()})
+    return head
+
+
+# treedraft name -> speculators name (the decoder layer's under `midlayer.`)
+_LAYER = {"embed_norm.weight": "midlayer.input_layernorm.weight",
+          "feature_norm.weight": "midlayer.hidden_norm.weight",
+          "layer.q_proj.weight": "midlayer.self_attn.q_proj.weight",
+          "layer.k_proj.weight": "midlayer.self_attn.k_proj.weight",
+          "layer.v_proj.weight": "midlayer.self_attn.v_proj.weight",
+          "layer.o_proj.weight": "midlayer.self_attn.o_proj.weight",
+          "layer.mlp_norm.weight": "midlayer.post_attention_layernorm.weight",
+          "layer.gate_proj.weight": "midlayer.mlp.gate_proj.weight",
+          "layer.up_proj.weight": "midlayer.mlp.up_proj.weight",
+          "layer.down_proj.weight": "midlayer.mlp.down_proj.weight",
+          "final_norm.weight": "norm.weight",
+          "fuse_input_norm.weight": "input_norm.weight",
+          "embed_tokens.weight": "embed_tokens.weight"}
+
+
+def _from_speculators_names(state: dict, c: EagleConfig, path) -> dict[str, torch.Tensor]:
+    src = {k.replace("layers.0.", "midlayer.", 1) if k.startswith("layers.0.") else k: v
+           for k, v in state.items() if k != "t2d"}
+    back = {v: k for k, v in _LAYER.items()}
+    out = {}
+    for k, v in src.items():
+        if k in back:
+            out[back[k]] = v
+        elif k.startswith("fc_norm."):
+            out["fuse_norms." + k.removeprefix("fc_norm.")] = v
+        elif k == "fc.weight":
+            n = len(c.target_layer_ids)
+            if n == 1:  # treedraft: no fuse for one layer; accept only the identity
+                if not torch.equal(v, torch.eye(c.hidden_size, dtype=v.dtype)):
+                    raise ValueError(f"{path}: one target layer with a non-identity fc")
+                continue
+            out["fuse.weight"] = v
+        elif k == "lm_head.weight":
+            out["lm_head.weight"] = v
+        elif k == "d2t":
+            out["d2t"] = v.long() + torch.arange(v.numel())  # offsets -> absolute target ids
+        else:
+            out[k] = v  # reported as unexpected
+    if c.draft_vocab_size is not None and "d2t" not in out:
+        out["d2t"] = torch.arange(c.draft_vocab_size)
+    return out
+
+
+def save_speculators(head: EagleHead, out: str | os.PathLike, *, verifier: str,
+                     num_speculative_tokens: int = 3, dtype: torch.dtype | None = None) -> Path:
+    """Write `head` in the speculators format; stock vLLM serves it as method eagle3."""
+    from safetensors.torch import save_file
+
+    c: EagleConfig = head.config
+    if head.head_type != "eagle" or c.layout != "eagle3":
+        raise ValueError(
+            f"this head has the {getattr(c, 'layout', head.head_type)!r} layout; stock vLLM's "
+            "EAGLE-3 runs only the eagle3 layout (attention over the 2H concat of embedding and "
+            "feature). Train one with `--head.layout=eagle3` (treedraft train) and export that")
+    L = c.target.num_hidden_layers
+    bad = [i for i in c.target_layer_ids if not 0 <= i < L]
+    if bad:
+        raise ValueError(
+            f"target_layer_ids={list(c.target_layer_ids)}: {bad} cannot be exported (vLLM's "
+            f"auxiliary layer {L} is the pre-norm output, treedraft's is post-norm); train with "
+            f"ids in 0..{L - 1}")
+    if c.fuse_norm and c.norm_before_fc:
+        raise ValueError("fuse_norm (fc_norm) and norm_before_fc are both on; the speculators "
+                         "format allows one of them (its config refuses both)")
+    if num_speculative_tokens < 1:
+        raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 1")
+    state = {}
+    for k, v in head.state_dict().items():
+        if k in _LAYER:
+            state[_LAYER[k]] = v
+        elif k.startswith("fuse_norms."):
+            state["fc_norm." + k.removeprefix("fuse_norms.")] = v
+        elif k == "fuse.weight":
+            state["fc.weight"] = v
+        elif k == "lm_head.weight":
+            state["lm_head.weight"] = v
+        elif k == "d2t":
+            state["d2t"] = v.long() - torch.arange(v.numel())  # absolute ids -> offsets
+            t2d = torch.zeros(c.target.vocab_size, dtype=torch.bool)
+            t2d[v.long()] = True
+            state["t2d"] = t2d
+        else:
+            raise ValueError(f"no speculators name for tensor {k!r}")
+    if len(c.target_layer_ids) == 1:
+        state["fc.weight"] = torch.eye(c.hidden_size)
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    vd = c.draft_vocab_size or c.target.vocab_size
+    config = {
+        "architectures": ["Eagle3Speculator"],
+        FORMAT_KEY: "eagle3",
+        "transformer_layer_config": {
+            "model_type": "llama", "architectures": ["LlamaForCausalLM"],
+            "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+            "num_attention_heads": c.num_attention_heads,
+            "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+            "num_hidden_layers": 1, "hidden_act": "silu", "rms_norm_eps": c.rms_norm_eps,
+            "rope_theta": c.rope_theta, "rope_scaling": None, "attention_bias": False,
+            "mlp_bias": False, "vocab_size": c.target.vocab_size,
+            "max_position_embeddings": 131072, "tie_word_embeddings": False,
+            "torch_dtype": str(dtype or next(iter(state.values())).dtype).removeprefix("torch."),
+        },
+        "draft_vocab_size": vd,
+        "target_hidden_size": c.hidden_size,
+        "norm_before_residual": c.norm_before_residual,
+        "norm_before_fc": c.norm_before_fc,
+        "fc_norm": c.fuse_norm,
+        "eagle_aux_hidden_state_layer_ids": list(c.target_layer_ids),
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy",
+                                  "speculative_tokens": num_speculative_tokens,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier,
+                         "architectures": [c.target.architecture]},
+        },
+        SIGNATURE_KEY: c.target.to_dict(),
+        "treedraft": {"default_tree": c.default_tree},
+    }
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
+    (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    return out

@@ -1,0 +1,188 @@
+"""EAGLE-3 heads in the speculators format (heads/speculators.py), tiny configs, no vLLM.
+
+* export -> import is the identity (same logits, same drafted trees), for every norm option;
+* the exported tensors computed the way vLLM 0.32's `llama_eagle3.py` computes them (written
+  out below from that file, on the exported names) give our head's features and logits;
+* bad folders are refused naming the field and both values; export refuses the eagle1 layout
+  and the post-norm output layer.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from test_heads import H, Tree, V, make_eagle, sig, target_weights
+
+from treedraft.heads import load_head
+from treedraft.heads.speculators import load_speculators, save_speculators
+
+IDS = (1, 2, 3)  # target layers (L = 4): all < L, as vLLM's auxiliary layers must be
+
+
+def eagle3(**kw):
+    return make_eagle(layout="eagle3", target_layer_ids=IDS, draft_vocab_size=20, **kw)
+
+
+def _vllm_eagle3(w: dict, cfg: dict, hidden, ids, eps: float):
+    """vLLM 0.32 llama_eagle3.py on one sequence (no KV cache): combine_hidden_states, the
+    first decoder layer, the final norm; returns (prenorm, logits over the target vocab)."""
+    def rms(x, weight):
+        xf = x.float()
+        return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    lay = cfg["transformer_layer_config"]
+    nh, nkv, d = lay["num_attention_heads"], lay["num_key_value_heads"], lay["head_dim"]
+    x = hidden
+    if cfg["norm_before_fc"]:
+        x = rms(x, w["input_norm.weight"])
+    if cfg["fc_norm"]:
+        x = torch.cat([rms(c, w[f"fc_norm.{i}.weight"])
+                       for i, c in enumerate(x.chunk(len(IDS), -1))], -1)
+    h = x @ w["fc.weight"].T
+    emb = rms(F.embedding(ids, target_weights()[0]), w["midlayer.input_layernorm.weight"])
+    if cfg["norm_before_residual"]:
+        h = rms(h, w["midlayer.hidden_norm.weight"])
+        residual = h
+    else:
+        residual = h
+        h = rms(h, w["midlayer.hidden_norm.weight"])
+    a = torch.cat([emb, h], -1)
+    T = a.shape[0]
+    q = (a @ w["midlayer.self_attn.q_proj.weight"].T).view(T, nh, d).transpose(0, 1)
+    k = (a @ w["midlayer.self_attn.k_proj.weight"].T).view(T, nkv, d).transpose(0, 1)
+    v = (a @ w["midlayer.self_attn.v_proj.weight"].T).view(T, nkv, d).transpose(0, 1)
+    inv = 1.0 / lay["rope_theta"] ** (torch.arange(0, d, 2).float() / d)
+    ang = torch.arange(T).float()[:, None] * inv
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+
+    def rope(t):  # neox style, as vLLM's Llama
+        t1, t2 = t.chunk(2, -1)
+        return t * cos + torch.cat([-t2, t1], -1) * sin
+
+    q, k = rope(q), rope(k)
+    k, v = k.repeat_interleave(nh // nkv, 0), v.repeat_interleave(nh // nkv, 0)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(0, 1).reshape(T, -1)
+    residual = o @ w["midlayer.self_attn.o_proj.weight"].T + residual
+    m = rms(residual, w["midlayer.post_attention_layernorm.weight"])
+    m = (F.silu(m @ w["midlayer.mlp.gate_proj.weight"].T) * (m @ w["midlayer.mlp.up_proj.weight"].T)
+         ) @ w["midlayer.mlp.down_proj.weight"].T
+    prenorm = m + residual
+    draft = rms(prenorm, w["norm.weight"]) @ w["lm_head.weight"].T
+    full = torch.full((T, V), float("-inf"))
+    full[:, torch.arange(draft.shape[-1]) + w["d2t"]] = draft  # vLLM: base + d2t offsets
+    return prenorm, full
+
+
+@pytest.mark.parametrize("opts", [{}, {"norm_before_residual": True}, {"fuse_norm": True},
+                                  {"norm_before_fc": True}])
+def test_export_import_round_trip_and_vllm_math(tmp_path, opts):
+    head = eagle3(**opts)
+    out = save_speculators(head, tmp_path / "spec", verifier="smollm2", num_speculative_tokens=4)
+    cfg = json.loads((out / "config.json").read_text())
+    w = load_file(str(out / "model.safetensors"))
+    assert cfg["speculators_model_type"] == "eagle3" and cfg["draft_vocab_size"] == 20
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == list(IDS)
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+    assert w["fc.weight"].shape == (H, 3 * H)
+    assert w["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * H  # attention reads 2H
+    assert torch.equal(w["d2t"] + torch.arange(20), head.d2t)  # offsets, as EAGLE-3 stores
+    assert w["t2d"].dtype == torch.bool and int(w["t2d"].sum()) == 20
+    assert not any(k.startswith(("embed_tokens", "combine")) for k in w)
+    # the speculators library (0.9.0, not installable here: it pins datasets<=5.1) documents
+    # these fields of Eagle3SpeculatorConfig / SpeculatorsConfig / GreedyTokenProposalConfig
+    assert set(cfg) - {"treedraft_target", "treedraft"} <= {
+        "speculators_model_type", "architectures", "transformer_layer_config",
+        "draft_vocab_size", "norm_before_residual", "target_hidden_size",
+        "eagle_aux_hidden_state_layer_ids", "norm_before_fc", "fc_norm", "norm_output",
+        "embed_requires_grad", "speculators_config", "speculators_version"}
+    sc = cfg["speculators_config"]
+    assert set(sc) == {"algorithm", "proposal_methods", "default_proposal_method", "verifier"}
+    assert set(sc["proposal_methods"][0]) == {"proposal_type", "speculative_tokens",
+                                              "verifier_accept_k", "accept_tolerance"}
+    assert set(sc["verifier"]) == {"name_or_path", "architectures"}
+
+    back = load_head(out, target=sig())
+    assert back.config.layout == "eagle3" and back.config.target_layer_ids == IDS
+    back.bind_target(*target_weights())
+    back.eval()
+    g = torch.Generator().manual_seed(0)
+    hidden, ids = torch.randn(7, 3 * H, generator=g), torch.randint(0, V, (7,), generator=g)
+    pos = torch.arange(7)[None]
+    mine, _ = head(head.project(hidden)[None], ids[None], pos)
+    theirs, _ = back(back.project(hidden)[None], ids[None], pos)
+    torch.testing.assert_close(theirs, mine, rtol=0, atol=0)
+    prenorm, logits = _vllm_eagle3(w, cfg, hidden, ids, head.config.rms_norm_eps)
+    torch.testing.assert_close(mine[0], prenorm, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(head.logits(mine[0]), logits, rtol=1e-5, atol=1e-4)
+
+    # drafting a tree from the imported head: identical log-probs
+    tree = Tree(torch.tensor([int(ids[-1]), 3, 5]), torch.tensor([-1, 0, 0]))
+    got = []
+    for h in (head, back):
+        s = h.draft_session()
+        s.commit(hidden, ids)
+        got.append(s.expand(tree, [0, 1, 2]))
+    torch.testing.assert_close(got[1], got[0], rtol=0, atol=0)
+
+
+def test_import_accepts_layers0_names_and_own_embedding(tmp_path):
+    head = eagle3()
+    out = save_speculators(head, tmp_path / "spec", verifier="smollm2")
+    w = load_file(str(out / "model.safetensors"))
+    w = {k.replace("midlayer.", "layers.0."): v for k, v in w.items()}  # speculators' naming
+    emb = torch.randn(V, H)
+    w["embed_tokens.weight"] = emb
+    save_file(w, str(out / "model.safetensors"))
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg["treedraft_target"]  # a third-party folder: the target is known only on load
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="load it with the target"):
+        load_head(out)
+    back = load_head(out, target=sig())
+    assert back.config.own_embedding and torch.equal(back.embed_tokens.weight, emb)
+    torch.testing.assert_close(back.layer.q_proj.weight, head.layer.q_proj.weight)
+
+
+def _export(tmp_path):
+    out = save_speculators(eagle3(), tmp_path / "spec", verifier="smollm2")
+    return out, json.loads((out / "config.json").read_text()), load_file(
+        str(out / "model.safetensors"))
+
+
+@pytest.mark.parametrize("edit, msg", [
+    (lambda c, w: c.update(speculators_model_type="mlp_speculator"),
+     r"speculators_model_type='mlp_speculator' is not supported \(supported: 'eagle3'\)"),
+    (lambda c, w: c["transformer_layer_config"].update(num_hidden_layers=2),
+     r"num_hidden_layers=2 is not supported \(supported: 1\)"),
+    (lambda c, w: w.pop("d2t"), r"draft_vocab_size=20 < vocab_size=50 but the weights have no d2t"),
+    (lambda c, w: w.update({"fc.weight": torch.zeros(H, 2 * H)}),
+     rf"fuse.weight has shape \[{H}, {2 * H}\], the config needs \[{H}, {3 * H}\]"),
+    (lambda c, w: c["treedraft_target"].update(vocab_size=99),
+     r"head was trained for vocab_size=99, target has 50"),
+    (lambda c, w: c.update(eagle_aux_hidden_state_layer_ids=[1, 4]),
+     r"\[1, 4\] has \[4\] outside 0..3"),
+    (lambda c, w: w.update({"mask_hidden": torch.zeros(3 * H)}), "parallel drafting"),
+])
+def test_bad_speculators_folders_are_refused(tmp_path, edit, msg):
+    out, cfg, w = _export(tmp_path)
+    edit(cfg, w)
+    (out / "config.json").write_text(json.dumps(cfg))
+    save_file(w, str(out / "model.safetensors"))
+    with pytest.raises(ValueError, match=msg):
+        load_speculators(out, target=sig())
+
+
+def test_export_refuses_what_stock_vllm_cannot_run(tmp_path):
+    with pytest.raises(ValueError, match=r"'eagle1' layout.*--head.layout=eagle3"):
+        save_speculators(make_eagle(), tmp_path / "a", verifier="t")
+    with pytest.raises(ValueError, match=r"\[4\] cannot be exported .*pre-norm"):
+        save_speculators(make_eagle(layout="eagle3", target_layer_ids=(1, 4)), tmp_path / "b",
+                         verifier="t")
+    with pytest.raises(ValueError, match="allows one of them"):
+        save_speculators(eagle3(fuse_norm=True, norm_before_fc=True), tmp_path / "c",
+                         verifier="t")
+    assert not any((tmp_path / d).exists() for d in "abc")
