@@ -63,12 +63,12 @@ def _is_speculators(head_dir: Path) -> bool:
 
 def imported_dir(head, source: Path) -> Path:
     """A speculators-format head saved as a treedraft folder (what the workers load), cached
-    per source folder and its files' modification times."""
+    per source folder, target signature and the folder's files' modification times."""
     import hashlib
     import os
 
-    stamp = [str(source)] + [f"{p.name}:{p.stat().st_mtime_ns}" for p in sorted(source.iterdir())
-                             if p.is_file()]
+    stamp = [str(source), json.dumps(head.config.target.to_dict(), sort_keys=True)] + [
+        f"{p.name}:{p.stat().st_mtime_ns}" for p in sorted(source.iterdir()) if p.is_file()]
     key = hashlib.sha256("\n".join(stamp).encode()).hexdigest()[:16]
     root = Path(os.environ.get("TREEDRAFT_CACHE", Path.home() / ".cache" / "treedraft"))
     out = root / "imported" / key

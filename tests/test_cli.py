@@ -72,15 +72,28 @@ def test_bad_tree_spec_is_refused(random_eagle):
 
 
 @pytest.mark.slow
-def test_eval_vllm_refuses_bad_input_before_the_engine(random_eagle):
+def test_eval_vllm_refuses_bad_input_before_the_engine(random_eagle, monkeypatch):
     # each would only fail minutes later inside the engine; here: one line, no engine started
-    for args, msg in [(("--tree", "chain:0"), "chain:K"),
-                      (("--tree", "lookup:4"), "drafts without a head: use --head none"),
-                      (("--batch-size", "0"), "--batch-size 0 must be >= 1")]:
-        r = run("eval", "--engine", "vllm", "--head", str(random_eagle), "--limit", "1", *args)
-        assert r.returncode != 0, args
-        assert msg in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
-        assert "TREEDRAFT_PROGRESS" not in r.stdout + r.stderr
+    r = run("eval", "--engine", "vllm", "--head", str(random_eagle), "--limit", "1",
+            "--tree", "chain:0")
+    assert r.returncode != 0 and "chain:K" in r.stderr and "Traceback" not in r.stderr
+    from treedraft.scripts import engine, eval_vllm
+    from treedraft.training.evaluate import EvalConfig
+
+    monkeypatch.setattr(engine, "run_engine", None)  # calling it would fail the test
+    for kw, bs, msg in [({"tree": "lookup:4"}, 16, "drafts without a head: use --head none"),
+                        ({}, 0, "--batch-size 0 must be >= 1")]:
+        with pytest.raises(ValueError, match=msg):
+            eval_vllm.evaluate_vllm(EvalConfig(head=str(random_eagle), limit=1, **kw),
+                                    batch_size=bs, progress=False)
+
+
+@pytest.mark.slow
+def test_export_refuses_the_eagle1_layout(tmp_path):
+    r = run("export", "smollm2-135m-eagle", str(tmp_path / "out"))
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "'eagle1' layout" in r.stderr and "--head.layout=eagle3" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
 
 
 def test_eval_vllm_jobs_and_configs():

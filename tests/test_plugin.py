@@ -323,6 +323,66 @@ def test_head_of_another_target_is_refused_naming_both_sides(tmp_path):
         _engine_config({"model": str(head), "num_speculative_tokens": 3})
 
 
+@pytest.fixture(scope="module")
+def speculators_head(tmp_path_factory):
+    """An untrained SmolLM2 EAGLE-3 head written in the speculators format."""
+    from treedraft.heads.speculators import save_speculators
+    from treedraft.training.models import resolve_model
+    from treedraft.training.target import init_head, load_target
+
+    loaded = load_target("smollm2-135m")
+    torch.manual_seed(0)
+    head = init_head("eagle", loaded.model, loaded.tokenizer, layout="eagle3",
+                     target_layer_ids=[2, 15, 27], draft_vocab_size=64, fuse_norm=True)
+    out = tmp_path_factory.mktemp("spec") / "eagle3"
+    return head, save_speculators(head, out, verifier=str(resolve_model("smollm2-135m")),
+                                  num_speculative_tokens=3)
+
+
+def test_speculators_eagle3_folder_is_served_as_trees_or_left_to_vllm(
+        speculators_head, tmp_path, monkeypatch):
+    from treedraft.heads import load_head
+
+    head, folder = speculators_head
+    monkeypatch.setenv("TREEDRAFT_CACHE", str(tmp_path))
+    cfg = _engine_config({"model": str(folder), "tree": "dynamic:8,3,3"})
+    assert cfg.speculative_config.method == "custom_class"
+    td = cfg.additional_config["treedraft"]
+    assert td["head_type"] == "eagle" and td["tree"] == "dynamic:8,3,3"
+    assert td["head_dir"].startswith(str(tmp_path / "imported"))  # converted once, cached
+    loaded = load_head(td["head_dir"])  # what the workers load: a treedraft folder
+    assert loaded.config.layout == "eagle3" and loaded.config.fuse_norm
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(),
+                                                 head.state_dict().values(), strict=True))
+    # no tree: the head's default tree (our export records it), else the folder's own chain
+    # length (a third-party folder); method eagle3: vLLM's own EAGLE-3, untouched
+    assert _engine_config({"model": str(folder)}).additional_config["treedraft"]["tree"] == \
+        _engine_config({"model": str(folder), "tree": head.config.default_tree}
+                       ).additional_config["treedraft"]["tree"]
+    third = tmp_path / "third-party"
+    shutil.copytree(folder, third)
+    raw = json.loads((third / "config.json").read_text())
+    del raw["treedraft"]
+    (third / "config.json").write_text(json.dumps(raw))
+    assert _engine_config({"model": str(third)}).additional_config["treedraft"]["tree"] == \
+        "chain:3"
+    stock = _engine_config({"method": "eagle3", "model": str(folder),
+                            "num_speculative_tokens": 3})
+    assert stock.speculative_config.method == "eagle3"
+    assert "treedraft" not in (stock.additional_config or {})
+
+
+def test_speculators_head_of_another_target_is_refused(speculators_head, tmp_path):
+    _, folder = speculators_head
+    other = tmp_path / "other"
+    shutil.copytree(folder, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["eagle_aux_hidden_state_layer_ids"] = [2, 15, 40]
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"\[2, 15, 40\] has \[40\] outside 0..29"):
+        _engine_config({"model": str(other), "tree": "chain:3"})
+
+
 @pytest.mark.parametrize("override, message", [
     ({"sliding_window": 256}, "sliding-window attention"),
     ({"attn_logit_softcapping": 30.0}, "soft-capping"),

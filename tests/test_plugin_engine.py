@@ -42,6 +42,8 @@ import torch
 from scipy.stats import chi2_contingency
 
 from treedraft.scripts.engine import run_engine
+from treedraft.scripts.eval_vllm import eval_jobs
+from treedraft.training.evaluate import EvalConfig, engine_summary
 from treedraft.training.models import resolve_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -50,6 +52,7 @@ EAGLE = "smollm2-135m-eagle"
 CHAIN = {"model": EAGLE, "num_speculative_tokens": 3}
 HYBRID = "dynamic:10,3,3+lookup:6"
 TREE = {"model": EAGLE, "tree": HYBRID}
+EAGLE3 = "smollm2-135m-eagle3"  # shipped EAGLE-3-layout head (exported/imported below)
 LOOKUP = {"method": "treedraft", "tree": "lookup:8"}
 MEDUSA_TREE = "[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]"
 SAMPLES = 300
@@ -85,9 +88,10 @@ def prompts(tokenizer) -> list[list[int]]:
 
 
 def _jobs(prompts, tokenizer, sampling: bool = True) -> list[dict]:
+    # parity: the job `treedraft eval --engine vllm` runs, single stream
+    parity = eval_jobs(prompts[:PARITY], EvalConfig(max_new_tokens=48), 1, name="parity")
     jobs = [{"name": "greedy", "prompts": prompts, "params": {"temperature": 0, "max_tokens": 48}},
-            {"name": "parity", "prompts": prompts[:PARITY], "batch_size": 1,
-             "params": {"temperature": 0, "max_tokens": 48}}]
+            *parity]
     if sampling:
         sample = tokenizer(SAMPLE_TEXT)["input_ids"]
         jobs += [{"name": name, "prompts": [sample],
@@ -119,14 +123,28 @@ class Runs(dict):
         self.events: dict[str, list[dict]] = {}  # name -> the engine's progress events
 
     def __missing__(self, name: str):
-        target, spec, jobs, llm = self.configs[name]
+        target, spec, jobs, llm, *env = self.configs[name]
         events = self.events[name] = []
-        self[name] = run_engine(target, spec, jobs, llm=llm, progress=events.append)
+        self[name] = run_engine(target, spec, jobs, llm=llm, progress=events.append,
+                                env=env[0] if env else None)
         return self[name]
 
 
 @pytest.fixture(scope="module")
-def runs(target, prompts, tokenizer):
+def eagle3_export(tmp_path_factory, target) -> str:
+    """The shipped EAGLE-3-layout head written in the speculators format (treedraft export)."""
+    from treedraft.heads.speculators import save_speculators
+    from treedraft.training.heads_zoo import load_head_for
+    from treedraft.training.target import load_target, target_signature
+
+    loaded = load_target(target)
+    head = load_head_for(EAGLE3, loaded.model, target_signature(loaded.model, loaded.tokenizer))
+    out = tmp_path_factory.mktemp("export") / "smollm2-135m-eagle3-speculators"
+    return str(save_speculators(head, out, verifier=target, num_speculative_tokens=3))
+
+
+@pytest.fixture(scope="module")
+def runs(target, prompts, tokenizer, eagle3_export, tmp_path_factory):
     jobs = _jobs(prompts, tokenizer)
     greedy = jobs[:1]
     serving = _serving_job(prompts)
@@ -134,7 +152,13 @@ def runs(target, prompts, tokenizer):
     return Runs({
         "base": (target, None, [*jobs, serving], None),
         "chain": (target, CHAIN, [j for j in jobs if j["name"] != "topk"], None),
-        "tree": (target, TREE, jobs, None),
+        # the hybrid tree drafted by an EAGLE-3 head given in the speculators format (import)
+        "tree": (target, {"model": eagle3_export, "tree": HYBRID}, jobs, None,
+                 {"TREEDRAFT_CACHE": str(tmp_path_factory.mktemp("cache"))}),
+        # the same folder in stock vLLM: its own EAGLE-3, treedraft's plugin not loaded (export)
+        "stock_eagle3": (target, {"method": "eagle3", "model": eagle3_export,
+                                  "num_speculative_tokens": 3}, jobs[1:2], None,
+                         {"VLLM_PLUGINS": "none"}),
         "lookup": (target, LOOKUP, jobs[:2], None),
         "medusa": (target, {"model": "smollm2-135m-medusa", "tree": MEDUSA_TREE}, greedy, None),
         # preemption (5 blocks of 128 tokens) and chunked prefill cutting trees (64-token steps)
@@ -183,10 +207,12 @@ def _check_identical(base: list[list[int]], got: list[list[int]], prompts, targe
         f"{name} output differs from no-speculation beyond fp near-ties: {gaps}")
 
 
-@pytest.mark.parametrize("name", ["chain", "tree", "lookup", "medusa", "pressure"])
+@pytest.mark.parametrize("name", ["chain", "tree", "lookup", "medusa", "pressure",
+                                  "stock_eagle3"])
 def test_greedy_outputs_identical_to_no_speculation(runs, name, prompts, target):
-    base = runs["base"][0]["greedy"]["tokens"]
-    res = runs[name][0]["greedy"]
+    job = "parity" if name == "stock_eagle3" else "greedy"  # stock vLLM: the parity job only
+    base = runs["base"][0][job]["tokens"]
+    res = runs[name][0][job]
     assert all(0 < len(t) <= 48 for t in res["tokens"])
     _check_identical(base, res["tokens"], prompts, target, name)
     assert res["spec"]["drafts"] > 0, "speculation never ran"
@@ -200,7 +226,12 @@ def test_greedy_outputs_identical_to_no_speculation(runs, name, prompts, target)
         assert by_source["lookup"] + by_source["both"] > 0, by_source  # lookup was accepted
         if name == "lookup":  # no head: every accepted draft came from prompt lookup
             assert by_source["head"] == by_source["both"] == 0, by_source
-    if name != "chain":  # trees were drafted: more draft tokens than verify steps
+    if name == "stock_eagle3":  # vLLM's own EAGLE-3 ran our export and accepted its drafts
+        log = runs[name][1]
+        assert "Eagle3LlamaForCausalLM" in log and "method='eagle3'" in log
+        assert "custom_class" not in log and "TreeDraftProposer" not in log
+        assert res["spec"]["accepted"] > 0
+    elif name != "chain":  # trees were drafted: more draft tokens than verify steps
         assert res["spec"]["draft_tokens"] > res["spec"]["drafts"]
 
 
@@ -241,21 +272,28 @@ def test_batch_size_schedule_caps_drafts(runs, prompts, target):
         assert w[: len(b)] == b[:16]
 
 
-@pytest.mark.parametrize("name, tree", [("chain", "chain:3"), ("tree", HYBRID),
-                                        ("lookup", LOOKUP["tree"])])
-def test_acceptance_per_depth_matches_offline_evaluator(runs, name, tree, target, torch_threads):
+# chain: the shipped EAGLE head; tree: the EAGLE-3 head imported from the speculators format;
+# stock_eagle3: vLLM's own EAGLE-3 on the exported folder; both against the reference decoder on
+# the treedraft folder of the same head
+@pytest.mark.parametrize("name, tree, head_name", [
+    ("chain", "chain:3", EAGLE), ("tree", HYBRID, EAGLE3), ("lookup", LOOKUP["tree"], None),
+    ("stock_eagle3", "chain:3", EAGLE3)])
+def test_acceptance_per_depth_matches_offline_evaluator(runs, name, tree, head_name, target,
+                                                        torch_threads):
     from treedraft.training.data import load_prompts
     from treedraft.training.evaluate import run_eval
     from treedraft.training.heads_zoo import load_head_for
     from treedraft.training.target import load_target, target_signature
 
     loaded = load_target(target)
-    head = (load_head_for(EAGLE, loaded.model, target_signature(loaded.model, loaded.tokenizer))
-            if name != "lookup" else None)
+    head = (load_head_for(head_name, loaded.model,
+                          target_signature(loaded.model, loaded.tokenizer))
+            if head_name else None)
     rows = load_prompts("mtbench", limit=PARITY)
     ref = run_eval(loaded, head, list(zip(rows["id"], rows["messages"], strict=True)), tree=tree,
                    max_new_tokens=48, progress=False)
-    spec = runs[name][0]["parity"]["spec"]
+    res = runs[name][0]["parity"]
+    spec = res["spec"]
     ref_counts = [round(r * ref["num_verify_steps"]) for r in ref["per_position_acceptance"]]
     steps = ref["num_drafting_steps"]  # vLLM counts steps that drafted (lookup may find none)
     got = spec["accepted_per_pos"][: len(ref_counts)]
@@ -267,7 +305,15 @@ def test_acceptance_per_depth_matches_offline_evaluator(runs, name, tree, target
     assert abs(spec["drafts"] - steps) <= tol
     assert all(abs(g - r) <= tol for g, r in zip(got, ref_counts, strict=True))
     assert sum(spec["accepted_per_pos"][len(ref_counts):]) == 0
-    if name != "chain":  # the lookup branches were accepted too
+    # `treedraft eval --engine vllm`'s report of this job: the reference's tau over the steps
+    # that drafted, within the same tolerance
+    report = engine_summary(spec, res["tokens"], tree, ref["tree_depth"])
+    ref_tau = 1 + sum(ref_counts) / steps
+    assert abs(report["mean_acceptance_length"] - ref_tau) <= tol * ref["tree_depth"] / steps
+    assert report["tokens_generated"] == ref["tokens_generated"]
+    if name in ("chain", "stock_eagle3"):  # the head's drafts were accepted
+        assert ref["accepted_by_source"]["head"] > 0
+    else:  # the lookup branches were accepted too
         by_source = ref["accepted_by_source"]
         assert by_source["lookup"] + by_source["both"] > 0, by_source
 

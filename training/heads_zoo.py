@@ -23,6 +23,8 @@ if not ZOO.is_dir():  # installed as a wheel: the zoo sits inside treedraft/head
 SHIPPED_HEADS: dict[str, tuple[str, str]] = {
     "smollm2-135m-eagle": ("smollm2-135m", "smollm2-135m-eagle"),
     "smollm2-135m-medusa": ("smollm2-135m", "smollm2-135m-medusa"),
+    # EAGLE-3 layout (exports to stock vLLM's eagle3); 12 CPU minutes, see its provenance
+    "smollm2-135m-eagle3": ("smollm2-135m", "smollm2-135m-eagle3"),
 }
 
 
