@@ -367,7 +367,8 @@ def test_prompt_offset_skips_the_first_prompts(tiny, tmp_path):
         load_rows(cfg_of(tiny, tmp_path, prompt_offset=7))
 
 
-@pytest.mark.parametrize("recipe", ["smollm2-135m-eagle", "smollm2-135m-medusa", "tiny-cpu"])
+@pytest.mark.parametrize("recipe", ["smollm2-135m-eagle", "smollm2-135m-eagle3",
+                                    "smollm2-135m-medusa", "tiny-cpu"])
 def test_recipes_load_and_validate(recipe):
     from pathlib import Path
 
