@@ -37,6 +37,7 @@ from .eagle import EagleConfig, EagleHead
 
 FORMAT_KEY = "speculators_model_type"
 SIGNATURE_KEY = "treedraft_target"  # our exports carry the full target signature
+FORMAT_VERSION = "speculators-import-2"  # bump when the conversion changes (plugin cache key)
 
 
 def is_speculators(config: dict[str, Any]) -> bool:
@@ -69,11 +70,51 @@ def _layer_config(path, cfg: dict) -> dict:
                (False,)),
               ("transformer_layer_config.mlp_bias", layer.get("mlp_bias", False), (False,)),
               ("transformer_layer_config.rope_scaling", layer.get("rope_scaling"), (None,)),
+              ("transformer_layer_config.rope_parameters.rope_type",
+               (layer.get("rope_parameters") or {}).get("rope_type", "default"), ("default",)),
               ("norm_output", cfg.get("norm_output", False), (False,))]
     for field, value, ok in checks:
         if value not in ok:
             _refuse(path, field, value, " or ".join(repr(v) for v in ok))
     return layer
+
+
+def _rope_theta(layer: dict) -> float:
+    """RoPE theta from a Llama config dict, old (`rope_theta`) or transformers 5
+    (`rope_parameters`) style."""
+    return float((layer.get("rope_parameters") or {}).get(
+        "rope_theta", layer.get("rope_theta", 10000.0)))
+
+
+def default_tree(cfg: dict) -> str:
+    """The tree a speculators folder is served with when none is given: the one recorded by a
+    treedraft export, else a chain of the folder's own `speculative_tokens`."""
+    recorded = (cfg.get("treedraft") or {}).get("default_tree")
+    if recorded:
+        return recorded
+    methods = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    return f"chain:{methods[0].get('speculative_tokens') or 3}"
+
+
+def _layer_ids(path, cfg: dict, layer: dict, num_layers: int) -> tuple[int, ...]:
+    """The target layers in the order vLLM feeds them to fc: ascending (vLLM collects its
+    auxiliary hidden states while the target's layers run), wherever the config names them."""
+    ids = (cfg.get("eagle_aux_hidden_state_layer_ids")
+           or (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+           or layer.get("eagle_aux_hidden_state_layer_ids")
+           or (layer.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+           or default_layer_ids(num_layers))
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{path}: eagle_aux_hidden_state_layer_ids={list(ids)} repeats a layer")
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"{path}: eagle_aux_hidden_state_layer_ids={list(ids)} has {bad} outside "
+                         f"0..{num_layers - 1} for a {num_layers}-layer target")
+    n = layer.get("num_aux_hidden_states")
+    if n is not None and n != len(ids):
+        raise ValueError(f"{path}: transformer_layer_config.num_aux_hidden_states={n} but "
+                         f"eagle_aux_hidden_state_layer_ids has {len(ids)} layers")
+    return tuple(sorted(ids))
 
 
 def _signature(path, cfg: dict, layer: dict, target: TargetSignature | None) -> TargetSignature:
@@ -121,13 +162,7 @@ def load_speculators(path: str | os.PathLike, target: TargetSignature | None = N
         from .common import raise_mismatches
 
         raise_mismatches(sig.mismatches(target))
-    L = sig.num_hidden_layers
-    ids = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get(
-        "eagle_aux_hidden_state_layer_ids") or default_layer_ids(L)
-    bad = [i for i in ids if not 0 <= i < L]
-    if bad:
-        raise ValueError(f"{path}: eagle_aux_hidden_state_layer_ids={list(ids)} has {bad} outside "
-                         f"0..{L - 1} for a {L}-layer target")
+    ids = _layer_ids(path, cfg, layer, sig.num_hidden_layers)
     state = {k.removeprefix("model."): v for k, v in read_weights(path).items()}
     if "mask_hidden" in state:
         _refuse(path, "mask_hidden (parallel drafting)", "present", "absent")
@@ -140,16 +175,14 @@ def load_speculators(path: str | os.PathLike, target: TargetSignature | None = N
         hidden_size=layer["hidden_size"], num_attention_heads=layer["num_attention_heads"],
         num_key_value_heads=layer.get("num_key_value_heads", layer["num_attention_heads"]),
         intermediate_size=layer["intermediate_size"], target=sig,
-        rms_norm_eps=layer.get("rms_norm_eps", 1e-6), rope_theta=layer.get("rope_theta", 10000.0),
+        rms_norm_eps=layer.get("rms_norm_eps", 1e-6), rope_theta=_rope_theta(layer),
         head_dim=layer.get("head_dim"), target_layer_ids=tuple(ids),
         draft_vocab_size=None if vd == V and "lm_head.weight" not in state else vd,
         layout="eagle3", fuse_norm=bool(cfg.get("fc_norm", False)),
         norm_before_fc=bool(cfg.get("norm_before_fc", False)),
         # vLLM's default when the key is absent (speculators/algos.py)
         norm_before_residual=bool(cfg.get("norm_before_residual", True)),
-        own_embedding="embed_tokens.weight" in state)
-    if "default_tree" in cfg.get("treedraft", {}):
-        econf.default_tree = cfg["treedraft"]["default_tree"]
+        own_embedding="embed_tokens.weight" in state, default_tree=default_tree(cfg))
     head = EagleHead(econf)
     ours = _from_speculators_names(state, econf, path)
     want = head.state_dict()
@@ -221,6 +254,11 @@ def save_speculators(head: EagleHead, out: str | os.PathLike, *, verifier: str,
             "EAGLE-3 runs only the eagle3 layout (attention over the 2H concat of embedding and "
             "feature). Train one with `--head.layout=eagle3` (treedraft train) and export that")
     L = c.target.num_hidden_layers
+    ids = list(c.target_layer_ids)
+    if ids != sorted(set(ids)):
+        raise ValueError(
+            f"target_layer_ids={ids}: vLLM feeds its auxiliary hidden states to fc in ascending "
+            "layer order, once each; train with ascending, distinct ids to export")
     bad = [i for i in c.target_layer_ids if not 0 <= i < L]
     if bad:
         raise ValueError(
@@ -242,6 +280,10 @@ def save_speculators(head: EagleHead, out: str | os.PathLike, *, verifier: str,
             state["fc.weight"] = v
         elif k == "lm_head.weight":
             state["lm_head.weight"] = v
+        elif k == "d2t" and v.numel() == c.target.vocab_size:  # full vocabulary, own lm_head
+            if not torch.equal(v.long().cpu(), torch.arange(v.numel())):
+                raise ValueError("a full-size draft vocabulary in another order than the "
+                                 "target's cannot be exported (vLLM maps it only when smaller)")
         elif k == "d2t":
             state["d2t"] = v.long() - torch.arange(v.numel())  # absolute ids -> offsets
             t2d = torch.zeros(c.target.vocab_size, dtype=torch.bool)
@@ -264,7 +306,10 @@ def save_speculators(head: EagleHead, out: str | os.PathLike, *, verifier: str,
             "num_attention_heads": c.num_attention_heads,
             "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
             "num_hidden_layers": 1, "hidden_act": "silu", "rms_norm_eps": c.rms_norm_eps,
-            "rope_theta": c.rope_theta, "rope_scaling": None, "attention_bias": False,
+            "rope_theta": c.rope_theta, "rope_scaling": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+            "num_aux_hidden_states": len(c.target_layer_ids),  # vLLM sizes fc from it (else 3)
+            "attention_bias": False,
             "mlp_bias": False, "vocab_size": c.target.vocab_size,
             "max_position_embeddings": 131072, "tie_word_embeddings": False,
             "torch_dtype": str(dtype or next(iter(state.values())).dtype).removeprefix("torch."),

@@ -67,7 +67,10 @@ def imported_dir(head, source: Path) -> Path:
     import hashlib
     import os
 
-    stamp = [str(source), json.dumps(head.config.target.to_dict(), sort_keys=True)] + [
+    from treedraft.heads.speculators import FORMAT_VERSION
+
+    stamp = [FORMAT_VERSION, str(source), json.dumps(head.config.target.to_dict(),
+                                                     sort_keys=True)] + [
         f"{p.name}:{p.stat().st_mtime_ns}" for p in sorted(source.iterdir()) if p.is_file()]
     key = hashlib.sha256("\n".join(stamp).encode()).hexdigest()[:16]
     root = Path(os.environ.get("TREEDRAFT_CACHE", Path.home() / ".cache" / "treedraft"))
@@ -146,9 +149,9 @@ def rewrite(engine_args, target_model_config) -> None:
 
     head_config = json.loads((head_dir / "config.json").read_text())
     if speculators:  # default tree: ours if we exported it, else the folder's own chain length
-        methods = (head_config.get("speculators_config") or {}).get("proposal_methods") or [{}]
-        head_config = {"default_tree": (head_config.get("treedraft") or {}).get("default_tree")
-                       or f"chain:{methods[0].get('speculative_tokens') or 3}"}
+        from treedraft.heads.speculators import default_tree
+
+        head_config = {"default_tree": default_tree(head_config)}
     spec = resolve_tree(sc, head_config)
     if not spec.has_head:
         raise ValueError(
@@ -157,8 +160,15 @@ def rewrite(engine_args, target_model_config) -> None:
             f"'method': 'treedraft', or add a head tree (e.g. 'chain:2+{spec.to_string()}')")
     target_sig = target_signature(target_model_config)
     # CPU, small; refuses a corrupt or unknown head (a speculators folder: checked on load)
-    head = load_head(head_dir, target=target_sig if speculators else None)
-    head.check_target(target_sig)
+    try:
+        head = load_head(head_dir, target=target_sig if speculators else None)
+        head.check_target(target_sig)
+    except ValueError as e:
+        if speculators:  # vLLM's own EAGLE-3 may still serve it as a chain
+            raise ValueError(f"{e}. To serve this folder with vLLM's own EAGLE-3 instead (chains, "
+                             "no trees), add \"method\": \"eagle3\" to --speculative-config"
+                             ) from e
+        raise
     if speculators:  # the workers load a treedraft folder converted once here
         head_dir = imported_dir(head, head_dir)
     if spec.max_nodes > 1 and head.head_type == "medusa":

@@ -237,7 +237,7 @@ def _export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=3,
                    help="chain length recorded in the config (vLLM's default K for it)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="weights dtype (default: as stored)")
+                   help="weights dtype (default: the target's, float32 for SmolLM2 on CPU)")
 
 
 @command("export", _export_args)

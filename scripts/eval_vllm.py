@@ -68,6 +68,10 @@ def evaluate_vllm(cfg: EvalConfig, *, batch_size: int = DEFAULT_BATCH, dtype: st
         raise ValueError(f"--batch-size {batch_size} must be >= 1")
     head_dir = None if cfg.head == "none" else str(resolve_head(cfg.head))
     head_cfg = read_config(head_dir) if head_dir else {}
+    if "speculators_model_type" in head_cfg:  # served as the plugin serves it
+        from treedraft.heads.speculators import default_tree
+
+        head_cfg = {"default_tree": default_tree(head_cfg)}
     tree = cfg.tree or head_cfg.get("default_tree")
     spec = parse_tree_spec(tree) if tree else None  # bad specs fail before the engine starts
     if spec is not None and spec.has_head != (head_dir is not None):

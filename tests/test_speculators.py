@@ -166,6 +166,12 @@ def _export(tmp_path):
     (lambda c, w: c.update(eagle_aux_hidden_state_layer_ids=[1, 4]),
      r"\[1, 4\] has \[4\] outside 0..3"),
     (lambda c, w: w.update({"mask_hidden": torch.zeros(3 * H)}), "parallel drafting"),
+    (lambda c, w: c["transformer_layer_config"].update(
+        rope_parameters={"rope_type": "llama3", "rope_theta": 5e5}),
+     r"rope_parameters.rope_type='llama3' is not supported"),
+    (lambda c, w: c.update(eagle_aux_hidden_state_layer_ids=[1, 1, 2]), "repeats a layer"),
+    (lambda c, w: c["transformer_layer_config"].update(num_aux_hidden_states=2),
+     r"num_aux_hidden_states=2 but eagle_aux_hidden_state_layer_ids has 3 layers"),
 ])
 def test_bad_speculators_folders_are_refused(tmp_path, edit, msg):
     out, cfg, w = _export(tmp_path)
@@ -176,7 +182,26 @@ def test_bad_speculators_folders_are_refused(tmp_path, edit, msg):
         load_speculators(out, target=sig())
 
 
+def test_import_follows_vllm_layer_order_rope_and_default_tree(tmp_path):
+    out, cfg, w = _export(tmp_path)
+    lay = cfg["transformer_layer_config"]
+    assert lay["num_aux_hidden_states"] == 3  # vLLM sizes fc from it (3 when absent)
+    assert lay["rope_parameters"] == {"rope_type": "default", "rope_theta": lay["rope_theta"]}
+    # a third-party folder: ids listed out of order (vLLM feeds fc in ascending layer order),
+    # rope only in transformers 5 style, no recorded tree
+    cfg["eagle_aux_hidden_state_layer_ids"] = [3, 1, 2]
+    del lay["rope_theta"], cfg["treedraft"]
+    lay["rope_parameters"]["rope_theta"] = 1234.0
+    (out / "config.json").write_text(json.dumps(cfg))
+    head = load_speculators(out, target=sig())
+    assert head.config.target_layer_ids == IDS and head.config.rope_theta == 1234.0
+    assert head.config.default_tree == "chain:3"  # the folder's own speculative_tokens
+
+
 def test_export_refuses_what_stock_vllm_cannot_run(tmp_path):
+    with pytest.raises(ValueError, match="ascending, distinct ids"):
+        save_speculators(make_eagle(layout="eagle3", target_layer_ids=(3, 1, 2)),
+                         tmp_path / "d", verifier="t")
     with pytest.raises(ValueError, match=r"'eagle1' layout.*--head.layout=eagle3"):
         save_speculators(make_eagle(), tmp_path / "a", verifier="t")
     with pytest.raises(ValueError, match=r"\[4\] cannot be exported .*pre-norm"):
@@ -185,4 +210,4 @@ def test_export_refuses_what_stock_vllm_cannot_run(tmp_path):
     with pytest.raises(ValueError, match="allows one of them"):
         save_speculators(eagle3(fuse_norm=True, norm_before_fc=True), tmp_path / "c",
                          verifier="t")
-    assert not any((tmp_path / d).exists() for d in "abc")
+    assert not any((tmp_path / d).exists() for d in "abcd")

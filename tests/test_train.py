@@ -345,7 +345,7 @@ def test_bad_inputs_fail_before_expensive_work(tiny, tmp_path, monkeypatch):
 def test_unroll_curriculum_deepens_to_the_full_depth(tiny, tmp_path):
     from treedraft.training.loop import curriculum_depth
 
-    assert [curriculum_depth(p, 4, 0.5) for p in (0, 0.1, 0.2, 0.3, 0.4, 1)] == [1, 1, 2, 3, 4, 4]
+    assert [curriculum_depth(p, 4, 0.5) for p in (0, 0.1, 0.2, 0.4, 0.5, 1)] == [1, 1, 2, 3, 4, 4]
     assert curriculum_depth(0.0, 4, 0.0) == 4
     train(cfg_of(tiny, tmp_path, unroll_steps=3, unroll_curriculum=0.5, max_steps=4))
     log = [json.loads(ln) for ln in (tmp_path / "train_log.jsonl").read_text().splitlines()]

@@ -86,7 +86,7 @@ class TrainConfig:
     # --- evaluation, checkpoints, logging
     eval_every: int = 0  # steps between run_eval on the held-out prompts; 0 = only at the end
     measure_every: int = 0  # steps between teacher-forced held-out top-1/top-k per unroll depth
-    #   (cheap: one head forward over the held-out sequences; logged as `heldout`); 0 = end only
+    #   (a target + head forward over the held-out sequences; logged as `heldout`); 0 = end only
     eval_tree: str | None = None  # None -> the head's default_tree
     eval_max_new_tokens: int = 64
     eval_temperature: float = 0.0

@@ -88,11 +88,11 @@ def choose_draft_vocab(seqs: list[Seq], vocab_size: int, k: int) -> torch.Tensor
 
 
 def curriculum_depth(progress: float, full: int, fraction: float) -> int:
-    """Unroll depth at `progress` (0..1) of the run: 1 at the start, growing linearly to `full`
-    over the first `fraction` of the run (0 = always `full`)."""
+    """Unroll depth at `progress` (0..1) of the run: 1 at the start, growing linearly to `full`,
+    reached when `fraction` of the run is done (0 = always `full`)."""
     if fraction <= 0:
         return full
-    return min(full, 1 + int(full * progress / fraction))
+    return min(full, 1 + int((full - 1) * progress / fraction))
 
 
 def lr_lambda(warmup: int, total: int, schedule: str = "cosine", decay_fraction: float = 0.2,
@@ -289,13 +289,14 @@ def train(cfg: TrainConfig, resume: str | os.PathLike | None = None) -> Path | N
         if stop:
             break
         if cfg.measure_every and step % cfg.measure_every == 0 and step < total and d.main:
-            log_heldout(cfg, head, measure_fn, measure_seqs, step, log)
+            log_heldout(cfg, head, measure_fn, measure_seqs, step, log, bool(eval_seqs))
         if cfg.eval_every and step % cfg.eval_every == 0 and step < total:
             evaluate(cfg, loaded, head, eval_rows, step, log, d)
         if cfg.save_every and step % cfg.save_every == 0 and step < total:
             save(step)
     bar.close()
-    head.config.acceptance_rates = log_heldout(cfg, head, measure_fn, measure_seqs, step, log)
+    head.config.acceptance_rates = log_heldout(cfg, head, measure_fn, measure_seqs, step, log,
+                                               bool(eval_seqs), d.main)
     result = evaluate(cfg, loaded, head, eval_rows, step, log, d)
     save(step)  # the last checkpoint also carries the measured acceptance rates
     if not d.main:
@@ -432,14 +433,16 @@ def measure(cfg: TrainConfig, head, batch_fn, seqs: list[Seq]) -> list[list[floa
     return acceptance_rates(hits, counts)
 
 
-def log_heldout(cfg: TrainConfig, head, batch_fn, seqs: list[Seq], step: int, log
-                ) -> list[list[float]]:
-    """`measure` on the held-out sequences, logged as {"heldout": {"top1": [per depth],
-    "topk": [per depth]}}: the cheap training-time signal of the learning curve."""
+def log_heldout(cfg: TrainConfig, head, batch_fn, seqs: list[Seq], step: int, log,
+                held_out: bool = True, main: bool = True) -> list[list[float]]:
+    """`measure` on the held-out sequences (target + head forward over them, no backward),
+    logged as {"heldout": {"top1": [per depth], "topk": [per depth]}}: the training-time signal
+    of the learning curve. held_out=False: no held-out prompts, measured on training ones."""
     rates = measure(cfg, head, batch_fn, seqs)
     top1, topk = [r[0] for r in rates], [sum(r) for r in rates]
-    log.write({"step": step, "heldout": {"top1": top1, "topk": topk, "k": cfg.acceptance_topk}})
-    if cfg.progress:
+    log.write({"step": step, "heldout": {"top1": top1, "topk": topk, "k": cfg.acceptance_topk,
+                                         "sequences": "held-out" if held_out else "training"}})
+    if cfg.progress and main:
         from tqdm.auto import tqdm
 
         tqdm.write(f"step {step}: held-out teacher-forced top-1 per depth "
