@@ -152,10 +152,10 @@ def load_head(path: str | os.PathLike, target: TargetSignature | None = None,
     from . import eagle, medusa  # noqa: F401  (registers the built-in heads)
 
     path = Path(path)
-    raw = read_config(path)
-    if "speculators_model_type" in raw:  # an EAGLE-3 head in the speculators format
-        from .speculators import load_speculators
+    from .speculators import is_speculators, load_speculators
 
+    raw = read_config(path)
+    if is_speculators(raw):  # an EAGLE-3 head in the speculators format
         head = load_speculators(path, target).to(map_location)
         head.provenance = None
         return head

@@ -57,24 +57,19 @@ def _head_dir(model: Any) -> Path | None:
     return None
 
 
-def _is_speculators(head_dir: Path) -> bool:
-    return "speculators_model_type" in json.loads((head_dir / "config.json").read_text())
-
-
 def imported_dir(head, source: Path) -> Path:
     """A speculators-format head saved as a treedraft folder (what the workers load), cached
     per source folder, target signature and the folder's files' modification times."""
     import hashlib
-    import os
 
     from treedraft.heads.speculators import FORMAT_VERSION
+    from treedraft.training.models import cache_dir
 
     stamp = [FORMAT_VERSION, str(source), json.dumps(head.config.target.to_dict(),
                                                      sort_keys=True)] + [
         f"{p.name}:{p.stat().st_mtime_ns}" for p in sorted(source.iterdir()) if p.is_file()]
     key = hashlib.sha256("\n".join(stamp).encode()).hexdigest()[:16]
-    root = Path(os.environ.get("TREEDRAFT_CACHE", Path.home() / ".cache" / "treedraft"))
-    out = root / "imported" / key
+    out = cache_dir() / "imported" / key
     if not (out / "config.json").is_file():
         head.save_pretrained(out, provenance={"imported_from": str(source),
                                               "format": "speculators eagle3"})
@@ -137,7 +132,11 @@ def rewrite(engine_args, target_model_config) -> None:
                 f"folder (config.json with head_type) or a shipped head name, got {sc.get('model')!r}"
             )
         return
-    speculators = _is_speculators(head_dir)
+    from treedraft.heads.common import load_head
+    from treedraft.heads.speculators import default_tree, is_speculators
+
+    head_config = json.loads((head_dir / "config.json").read_text())
+    speculators = is_speculators(head_config)
     if speculators and sc.get("method") == "eagle3":
         return  # a speculators EAGLE-3 folder asked for by vLLM's own method: vLLM serves it
     if sc.get("method") not in (None, KEY, "custom_class"):
@@ -145,12 +144,7 @@ def rewrite(engine_args, target_model_config) -> None:
             f"--speculative-config: {head_dir} is a treedraft head, but method={sc['method']!r}; "
             "drop 'method' (or set it to 'treedraft')"
         )
-    from treedraft.heads.common import load_head
-
-    head_config = json.loads((head_dir / "config.json").read_text())
     if speculators:  # default tree: ours if we exported it, else the folder's own chain length
-        from treedraft.heads.speculators import default_tree
-
         head_config = {"default_tree": default_tree(head_config)}
     spec = resolve_tree(sc, head_config)
     if not spec.has_head:

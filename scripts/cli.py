@@ -118,8 +118,7 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write the full report here")
     p.add_argument("--engine", choices=("reference", "vllm"), default="reference",
                    help="reference: the pure-torch reference decoder, one prompt at a time (the "
-                        "ground truth); vllm: a batched vLLM engine with the plugin, same report "
-                        "(minutes for the full MT-bench instead of hours)")
+                        "ground truth); vllm: a batched vLLM engine with the plugin, same report")
     p.add_argument("--batch-size", type=int, default=16,
                    help="--engine vllm: requests per wave")
     p.add_argument("--dtype", default="float32",

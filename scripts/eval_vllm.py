@@ -13,26 +13,26 @@ them to it step for step at batch 1); for lookup alone vLLM counts only steps th
 draft (see `num_drafting_steps` in the reference report). Requests run in waves of
 `batch_size` with a token budget large enough that no tree is cut to fit a step.
 
-The reference decoder stays the ground truth for exactness; this is the fast path for tables
-(the full MT-bench, 80 x 256 tokens, in minutes rather than hours).
+The reference decoder stays the ground truth for exactness; this path batches requests, which
+pays where verification is cheap (GPU); on a 2-core AVX2 CPU it took about as long as the
+reference (tree cost per request).
 """
 
 from __future__ import annotations
 
 import time
 
-from treedraft.training.evaluate import EvalConfig, engine_summary, tree_depth
+from treedraft.training.evaluate import EvalConfig, check_tree_head, engine_summary, tree_depth
 
 DEFAULT_BATCH = 16
 
 
 def speculative_config(head_dir: str | None, tree: str | None) -> dict | None:
-    """The --speculative-config that drafts `tree` with the head at `head_dir` (None: no head)."""
-    if tree is None:
-        return None
-    if head_dir is None:
-        return {"method": "treedraft", "tree": tree}
-    return {"model": head_dir, "tree": tree}
+    """The --speculative-config that drafts `tree` with the head at `head_dir` (None: no head):
+    `treedraft bench`'s `tree=SPEC` configuration (no-spec without a tree)."""
+    from .bench import speculative_config as bench_config
+
+    return bench_config("no-spec" if tree is None else f"tree={tree}", head_dir)
 
 
 def eval_jobs(prompts: list[list[int]], cfg: EvalConfig, batch_size: int | None,
@@ -55,6 +55,7 @@ def evaluate_vllm(cfg: EvalConfig, *, batch_size: int = DEFAULT_BATCH, dtype: st
     from transformers import AutoTokenizer
 
     from treedraft.heads.common import read_config
+    from treedraft.heads.speculators import default_tree, is_speculators
     from treedraft.heads.tree import parse_tree_spec
     from treedraft.training.data import first_turn, load_prompts
     from treedraft.training.heads_zoo import resolve_head
@@ -68,15 +69,11 @@ def evaluate_vllm(cfg: EvalConfig, *, batch_size: int = DEFAULT_BATCH, dtype: st
         raise ValueError(f"--batch-size {batch_size} must be >= 1")
     head_dir = None if cfg.head == "none" else str(resolve_head(cfg.head))
     head_cfg = read_config(head_dir) if head_dir else {}
-    if "speculators_model_type" in head_cfg:  # served as the plugin serves it
-        from treedraft.heads.speculators import default_tree
-
+    if is_speculators(head_cfg):  # served as the plugin serves it
         head_cfg = {"default_tree": default_tree(head_cfg)}
     tree = cfg.tree or head_cfg.get("default_tree")
     spec = parse_tree_spec(tree) if tree else None  # bad specs fail before the engine starts
-    if spec is not None and spec.has_head != (head_dir is not None):
-        raise ValueError(f"tree {tree!r} " + ("needs a head (--head)" if spec.has_head else
-                                              "drafts without a head: use --head none"))
+    check_tree_head(spec, tree, head_dir is not None)
     gamma = tree_depth(spec, head_cfg.get("acceptance_rates")) if spec else 0
     ds = load_prompts(cfg.prompts, limit=cfg.limit, stride=cfg.stride)
     target_dir = str(resolve_model(cfg.target))

@@ -64,6 +64,13 @@ def tree_depth(spec: TreeSpec, rates=None) -> int:
     return max(head, lookup)
 
 
+def check_tree_head(spec: TreeSpec | None, spec_str: str | None, has_head: bool) -> None:
+    """A tree that needs a head gets one, and lookup alone gets none."""
+    if spec is not None and spec.has_head != has_head:
+        raise ValueError(f"tree {spec_str!r} " + ("needs a head (--head)" if spec.has_head else
+                                                  "drafts without a head: use --head none"))
+
+
 def implied_alpha(tau: float, gamma: int) -> float:
     """Solve tau = (1 - a^(gamma+1)) / (1 - a) for a in [0, 1] (bisection; tau is increasing)."""
     tau = min(max(tau, 1.0), gamma + 1.0)
@@ -77,50 +84,50 @@ def implied_alpha(tau: float, gamma: int) -> float:
     return (lo + hi) / 2
 
 
-def summarize(results: list[DecodeResult], spec: str | None, gamma: int) -> dict:
-    accepted = [a for r in results for a in r.accepted]
-    steps = len(accepted)
-    tau = (sum(accepted) + steps) / steps if steps else 1.0
+def _acceptance_report(steps: int, accepted: int, per_depth: list[int], nodes: int,
+                       by_source: dict, tokens: int, spec: str | None, gamma: int) -> dict:
+    """The report keys from counts: `steps` verify steps that accepted `accepted` drafts in all,
+    `per_depth[d-1]` of them at least d, `nodes` drafted nodes in all."""
+    tau = (accepted + steps) / steps if steps else 1.0
+    per_depth = list(per_depth) + [0] * gamma
     return {
         "mean_acceptance_length": tau,
-        "per_position_acceptance": [
-            sum(a >= d for a in accepted) / max(steps, 1) for d in range(1, gamma + 1)
-        ],
+        "per_position_acceptance": [per_depth[d] / max(steps, 1) for d in range(gamma)],
         "alpha_implied": implied_alpha(tau, gamma) if gamma else 0.0,
-        "num_verify_steps": steps,
-        # steps that drafted at least one node (prompt lookup may find nothing to propose);
-        # vLLM counts only these as drafts, so its mean acceptance length is 1 + accepted /
-        # num_drafting_steps, higher than ours for lookup, equal for a head's trees
-        "num_drafting_steps": sum(s > 0 for r in results for s in r.tree_sizes),
-        "tokens_generated": sum(len(r.tokens) for r in results),
-        "mean_tree_size": sum(s for r in results for s in r.tree_sizes) / max(steps, 1),
+        "tokens_generated": tokens,
+        "mean_tree_size": nodes / max(steps, 1),
         # accepted draft tokens by the source that proposed them (head / lookup / both)
-        "accepted_by_source": {k: sum(r.by_source[k] for r in results)
-                               for k in (results[0].by_source if results else {})},
+        "accepted_by_source": dict(by_source),
         "tree": spec,
         "tree_depth": gamma,
     }
+
+
+def summarize(results: list[DecodeResult], spec: str | None, gamma: int) -> dict:
+    accepted = [a for r in results for a in r.accepted]
+    report = _acceptance_report(
+        len(accepted), sum(accepted), [sum(a >= d for a in accepted) for d in range(1, gamma + 1)],
+        sum(s for r in results for s in r.tree_sizes),
+        {k: sum(r.by_source[k] for r in results) for k in (results[0].by_source if results else {})},
+        sum(len(r.tokens) for r in results), spec, gamma)
+    # steps that drafted at least one node (prompt lookup may find nothing to propose); vLLM
+    # counts only these as drafts, so its mean acceptance length is 1 + accepted /
+    # num_drafting_steps, higher than ours for lookup, equal for a head's trees
+    report.update(num_verify_steps=len(accepted),
+                  num_drafting_steps=sum(s > 0 for r in results for s in r.tree_sizes))
+    return report
 
 
 def engine_summary(counts: dict, tokens: list[list[int]], spec: str | None, gamma: int) -> dict:
     """`summarize`'s keys from a vLLM engine's spec-decode counters (scripts/engine.py
     `counter_delta`) and its outputs. vLLM counts only steps that drafted: for a head's trees
     that is every step, so tau and per-depth acceptance equal the reference decoder's."""
-    drafts = counts["drafts"]
-    per_pos = list(counts["accepted_per_pos"]) + [0] * gamma
-    tau = 1 + counts["accepted"] / drafts if drafts else 1.0
-    return {
-        "mean_acceptance_length": tau,
-        "per_position_acceptance": [per_pos[d] / max(drafts, 1) for d in range(gamma)],
-        "alpha_implied": implied_alpha(tau, gamma) if gamma else 0.0,
-        "num_verify_steps": None,  # vLLM does not count steps that drafted nothing
-        "num_drafting_steps": drafts,
-        "tokens_generated": sum(len(t) for t in tokens),
-        "mean_tree_size": counts["draft_tokens"] / drafts if drafts else 0.0,
-        "accepted_by_source": dict(counts.get("accepted_by_source") or {}),
-        "tree": spec,
-        "tree_depth": gamma,
-    }
+    report = _acceptance_report(
+        counts["drafts"], counts["accepted"], counts["accepted_per_pos"], counts["draft_tokens"],
+        counts.get("accepted_by_source") or {}, sum(len(t) for t in tokens), spec, gamma)
+    # vLLM does not count steps that drafted nothing
+    report.update(num_verify_steps=None, num_drafting_steps=counts["drafts"])
+    return report
 
 
 def run_eval(
@@ -144,9 +151,7 @@ def run_eval(
 
     spec_str = tree or (head.config.default_tree if head is not None else None)
     spec = parse_tree_spec(spec_str) if spec_str else None
-    if spec is not None and spec.has_head != (head is not None):
-        raise ValueError(f"tree {spec_str!r} " + ("needs a head (--head)" if spec.has_head else
-                                                  "drafts without a head: use --head none"))
+    check_tree_head(spec, spec_str, head is not None)
     rates = getattr(head.config, "acceptance_rates", None) if head is not None else None
     gamma = tree_depth(spec, rates) if spec else 0
     eos = {loaded.tokenizer.eos_token_id}
