@@ -127,3 +127,59 @@ class MedusaSession:
                     f"depth {d}, its children would be at depth {d + 1})"
                 )
         return self.logprobs[depths]
+
+
+# vLLM 0.32's own Medusa (model_executor/models/medusa.py, method "medusa"): per head
+# `blocks.{k}.layers.{l}` = x + SiLU(Linear(x)) (bias when `medusa_fc_bias`), on the target's
+# final post-norm hidden state (the runner's sample_hidden_states), then an LM head: one shared
+# `lm_head` loaded from `lm_heads.0.weight` with `original_lm_head`, else `lm_heads.{k}`. The
+# same math as MedusaHeads; vLLM drafts the top-1 of each head as a chain.
+VLLM_MEDUSA_FORMAT = "vllm-medusa"
+
+
+def to_vllm_medusa(heads: MedusaHeads) -> tuple[dict, dict[str, Tensor]]:
+    """(config.json, tensors) of `heads` as vLLM's Medusa loads them."""
+    c: MedusaConfig = heads.config
+    state: dict[str, Tensor] = {}
+    for k, blocks in enumerate(heads.heads):
+        for j, block in enumerate(blocks):
+            state[f"blocks.{k}.layers.{j}.weight"] = block.linear.weight
+            state[f"blocks.{k}.layers.{j}.bias"] = block.linear.bias
+    if c.own_lm_head:
+        for k, lm in enumerate(heads.lm_heads):
+            state[f"lm_heads.{k}.weight"] = lm.weight
+    else:  # the target's LM head, once (vLLM shares it between the heads)
+        state["lm_heads.0.weight"] = heads._bound("target_lm_head")
+    config = {
+        "architectures": ["MedusaModel"], "model_type": "medusa",
+        "hidden_size": c.hidden_size, "vocab_size": c.vocab_size,
+        "truncated_vocab_size": c.vocab_size,
+        # vLLM's MedusaConfig renames every key holding "num" and "heads"/"layers": only these two
+        "num_heads": c.num_heads, "num_hidden_layers": c.num_layers,
+        "medusa_fc_bias": True, "original_lm_head": not c.own_lm_head,
+        "treedraft_target": c.target.to_dict(),
+    }
+    return config, state
+
+
+def save_vllm_medusa(heads: MedusaHeads, out, *, dtype: torch.dtype | None = None):
+    """Write `heads` as a folder stock vLLM serves with {"method": "medusa", "model": out,
+    "num_speculative_tokens": K <= num_heads}; returns the folder's Path."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    if getattr(heads, "head_type", None) != "medusa":
+        raise ValueError(f"the {VLLM_MEDUSA_FORMAT} format holds Medusa heads; this is a "
+                         f"{getattr(heads, 'head_type', type(heads).__name__)!r} head (EAGLE "
+                         "heads export with --format speculators)")
+    config, state = to_vllm_medusa(heads)
+    state = {k: (v.to(dtype) if dtype is not None else v).detach().contiguous().cpu()
+             for k, v in state.items()}
+    config["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out

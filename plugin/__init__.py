@@ -15,6 +15,7 @@ Modules, one per vLLM subsystem touched (every patch goes through ``patching.app
 - ``tree_step``, ``attention_cpu``, ``kv``: one tree verification step: positions and masks,
   tree attention on the CPU backend, accepted-path KV compaction (worker, tree mode).
 - ``metrics``: accepted-depth and tree-size metrics in /metrics and the log line (frontend).
+- ``profile``: per-phase step times when ``TREEDRAFT_PROFILE`` names a file (worker; any engine).
 """
 
 from __future__ import annotations
@@ -47,9 +48,11 @@ def register() -> None:
     check_vllm_version(vllm.__version__)
     from vllm.platforms import current_platform
 
-    from . import config, metrics, patching, sampler
+    from . import config, metrics, patching, profile, sampler
 
     patching.apply(config.FRONTEND_PATCHES + metrics.FRONTEND_PATCHES)
+    if os.environ.get(profile.PROFILE_ENV):  # step profile: every runner of this process
+        patching.apply(profile.WORKER_PATCHES)
     if current_platform.is_cpu():
         patching.apply(sampler.CPU_PATCHES)
     _registered = True

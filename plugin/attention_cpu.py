@@ -19,6 +19,8 @@ one bias shared by the whole batch). The KV copy in plugin/kv.py is layout-speci
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 from vllm.v1.attention.backends.cpu_attn import (
@@ -97,6 +99,7 @@ class TreeCPUAttentionBackendImpl(CPUAttentionBackendImpl):
                 "treedraft tree attention supports plain causal decoder attention only (no "
                 "alibi, sliding window, soft cap or sinks); use a chain tree ('chain:K')"
             )
+        t0 = time.perf_counter()
         for t in trees:
             # query/output rows t.qs .. t.qs+size-1 are the tree; keys: prefix + tree slots
             k, v = gather_kv(kv_cache, attn_metadata.block_table[t.req_index],
@@ -107,6 +110,8 @@ class TreeCPUAttentionBackendImpl(CPUAttentionBackendImpl):
                                                enable_gqa=True)  # [Hq, m, D]
             rows = output[t.qs : t.qs + t.size]
             rows.copy_(o.transpose(0, 1).reshape(rows.shape))
+        if trees:
+            step.attention_seconds += time.perf_counter() - t0
         return out
 
 

@@ -31,6 +31,8 @@ Tree mode only (a branching tree spec):
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from . import tree_step
@@ -159,7 +161,9 @@ def _wrap_sample(original):
         step = tree_step.of_runner(self)
         out = verify_trees(self, logits, spec_decode_metadata, step)
         if step is not None:
+            t = time.perf_counter()
             compact_accepted(self, step)
+            step.compaction_seconds += time.perf_counter() - t
         return out
 
     return _sample

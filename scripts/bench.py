@@ -6,6 +6,7 @@ rejection sampler) and treedraft trees, side by side in one invocation.
     treedraft bench --limit 2 --max-new-tokens 32 --batch-sizes 1 --temperatures 0   # a look
     treedraft bench --stride 10 --limit 8 --batch-sizes 1 --config no-spec --config chain=1
     treedraft bench --target HF_FOLDER --head HEAD_DIR --config 'tree=dynamic:16,4,4'
+    treedraft bench --profile ...    # + where each engine step's time goes (OUT/profile.md)
 
 Each configuration runs in its own engine process (scripts/engine.py) over MT-bench first turns,
 for every batch size (requests submitted in waves of that many, prompts cycled to fill a wave)
@@ -15,6 +16,10 @@ acceptance length, per-depth acceptance, speedup vs no-spec per row, the machine
 (the table) and two PNG plots (speedup vs batch size; acceptance per depth); prints the table
 and the best speedup last. TPOT here is wave wall time / the wave's longest output, i.e. the
 time per output token a stream of that wave saw.
+
+`--profile`: every engine's worker times its step phases (plugin/profile.py: prepare, target
+forward, tree attention inside it, verification, KV compaction inside it, drafting, the rest);
+rows gain `profile_ms` (milliseconds per engine step) and OUT/profile.md holds the table.
 
 dtype: `auto` (default) is this machine's choice (training/machine.py): bfloat16 where the CPU
 has AMX/AVX512-BF16, float32 on AVX2-only CPUs, where vLLM's bf16 runs several times slower;
@@ -89,6 +94,8 @@ def _jobs(prompts: list[list[int]], batch_sizes, temperatures, max_new_tokens: i
 
 
 def _row(config: str, job: dict, res: dict) -> dict:
+    from treedraft.plugin.profile import per_step_ms
+
     total = sum(len(t) for t in res["tokens"])
     seconds = sum(res["wave_seconds"])
     bs = job["batch_size"]
@@ -104,7 +111,29 @@ def _row(config: str, job: dict, res: dict) -> dict:
         "acceptance_per_depth": [a / steps for a in spec["accepted_per_pos"]] if steps else [],
         "mean_tree_size": spec["draft_tokens"] / steps if steps else None,
         "accepted_by_source": spec.get("accepted_by_source") or None,  # trees: head/lookup/both
+        **({"profile": res["profile"], "profile_ms": per_step_ms(res["profile"])}
+           if "profile" in res else {}),
     }
+
+
+PROFILE_COLUMNS = ("step", "forward", "tree_attention", "verify", "kv_compaction", "drafting",
+                   "prepare", "other")
+
+
+def profile_markdown(rows: list[dict]) -> str:
+    """Milliseconds per engine step by phase (tree attention is part of forward, KV compaction
+    part of verify); steps and scheduled tokens per step."""
+    head = ["config", "T", "batch", "steps", "tokens/step", *PROFILE_COLUMNS]
+    lines = ["| " + " | ".join(h.replace("_", " ") for h in head) + " |",
+             "|" + "---|" * len(head)]
+    for r in rows:
+        ms, p = r.get("profile_ms") or {}, r.get("profile") or {}
+        if not ms:
+            continue
+        lines.append(f"| {r['config']} | {r['temperature']:g} | {r['batch_size']} | "
+                     f"{p['steps']:.0f} | {p['tokens'] / p['steps']:.1f} | "
+                     + " | ".join(f"{ms[c]:.1f}" for c in PROFILE_COLUMNS) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def markdown(rows: list[dict]) -> str:
@@ -219,9 +248,10 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
           batch_sizes=None, temperatures=None, configs=None,
           out: str | Path = "runs/bench", dtype: str = "auto",
           enforce_eager: bool | None = None, stride: int | None = None,
-          preset: str = "quick") -> list[dict]:
+          preset: str = "quick", profile: bool = False) -> list[dict]:
     from transformers import AutoTokenizer
 
+    from treedraft.plugin.profile import PROFILE_ENV
     from treedraft.training.data import first_turn, load_prompts
     from treedraft.training.heads_zoo import resolve_head
     from treedraft.training.machine import describe, resolve_dtype
@@ -257,8 +287,10 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
            "enforce_eager": o["enforce_eager"]}
     rows = []
     for i, c in enumerate(configs):
-        results, _ = progress.run(i, c, lambda cb, c=c: run_engine(
-            target_dir, specs[c], jobs, llm=llm, timeout=7200, progress=cb))
+        # the worker rewrites this file after every step (plugin/profile.py)
+        env = {PROFILE_ENV: str((out / f"profile-{i}.json").resolve())} if profile else None
+        results, _ = progress.run(i, c, lambda cb, c=c, env=env: run_engine(
+            target_dir, specs[c], jobs, llm=llm, timeout=7200, progress=cb, env=env))
         rows += [_row(c, j, results[j["name"]]) for j in jobs]
     base = {(r["batch_size"], r["temperature"]): r["tokens_per_s"] for r in rows
             if r["config"] == configs[0]}
@@ -267,10 +299,15 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
     meta = {"target": target, "head": head, "prompts": prompts, "limit": o["limit"],
             "stride": o["stride"], "max_new_tokens": o["max_new_tokens"], "baseline": configs[0],
             "dtype": vllm_dtype, "dtype_requested": dtype, "enforce_eager": o["enforce_eager"],
-            "machine": machine, "seconds": sum(progress.finished)}
+            "machine": machine, "seconds": sum(progress.finished), "profile": profile}
     (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     table = markdown(rows)
     (out / "bench.md").write_text(table)
+    if profile:
+        ptable = profile_markdown(rows)
+        (out / "profile.md").write_text(ptable)
+        table += "\nms per engine step (tree attention within forward, KV compaction within " \
+                 "verify):\n\n" + ptable
     for p in plots(rows, out):
         print(f"wrote {p}")
     print(f"wrote {out / 'bench.json'} and {out / 'bench.md'} "

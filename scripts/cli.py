@@ -185,6 +185,9 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto",
                    help="vLLM dtype; auto: bfloat16 where the CPU has AMX/AVX512-BF16, "
                         "float32 on AVX2-only CPUs (bf16 is several times slower there)")
+    p.add_argument("--profile", action="store_true",
+                   help="also time each engine step's phases (target forward, tree attention, "
+                        "verification, KV compaction, drafting, the rest): OUT/profile.md")
     eager = p.add_mutually_exclusive_group()
     eager.add_argument("--enforce-eager", dest="enforce_eager", action="store_true", default=None,
                        help="no torch.compile (the quick default; engines start in ~1 min)")
@@ -200,7 +203,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     bench(args.target, args.head, args.prompts, args.limit, args.max_new_tokens,
           args.batch_sizes, args.temperatures, tuple(args.config) if args.config else None,
           args.out, dtype=args.dtype, enforce_eager=args.enforce_eager, stride=args.stride,
-          preset="full" if args.full else "quick")
+          preset="full" if args.full else "quick", profile=args.profile)
 
 
 def _train_args(p: argparse.ArgumentParser) -> None:
@@ -227,23 +230,29 @@ cmd_train.accepts_overrides = True  # main() hands it the unparsed --key=value a
 
 
 def _export_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("head", help="treedraft head folder or shipped name (eagle3 layout)")
+    p.add_argument("head", help="treedraft head folder or shipped name (EAGLE-3 layout or Medusa)")
     p.add_argument("out", help="folder to write")
-    p.add_argument("--format", choices=("speculators",), default="speculators",
-                   help="speculators: EAGLE-3 as vLLM/SGLang load it ({'method': 'eagle3'})")
+    p.add_argument("--format", choices=("speculators", "vllm-medusa"), default=None,
+                   help="speculators: EAGLE-3 as vLLM/SGLang load it ({'method': 'eagle3'}); "
+                        "vllm-medusa: vLLM's Medusa ({'method': 'medusa'}). Default: the one "
+                        "of the head's type")
     p.add_argument("--target", default="smollm2-135m",
                    help="the target it drafts for (recorded as the verifier; checked)")
-    p.add_argument("--num-speculative-tokens", type=int, default=3,
-                   help="chain length recorded in the config (vLLM's default K for it)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="chain length for stock vLLM (default: 3 for EAGLE-3, recorded in the "
+                        "config; the number of heads for Medusa, at most that)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="weights dtype (default: the target's, float32 for SmolLM2 on CPU)")
 
 
 @command("export", _export_args)
 def cmd_export(args: argparse.Namespace) -> None:
-    """Write a head in another ecosystem's format (EAGLE-3 speculators, for stock vLLM)."""
+    """Write a head in another ecosystem's format (EAGLE-3 speculators or vLLM's Medusa)."""
+    import json
+
     import torch
 
+    from treedraft.heads.medusa import VLLM_MEDUSA_FORMAT, save_vllm_medusa
     from treedraft.heads.speculators import save_speculators
     from treedraft.training.heads_zoo import load_head_for
     from treedraft.training.models import resolve_model
@@ -252,12 +261,23 @@ def cmd_export(args: argparse.Namespace) -> None:
     loaded = load_target(args.target)
     head = load_head_for(args.head, loaded.model,
                          target_signature(loaded.model, loaded.tokenizer))
-    out = save_speculators(head, args.out, verifier=str(resolve_model(args.target)),
-                           num_speculative_tokens=args.num_speculative_tokens,
-                           dtype=getattr(torch, args.dtype) if args.dtype else None)
+    fmt = args.format or (VLLM_MEDUSA_FORMAT if head.head_type == "medusa" else "speculators")
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    k = args.num_speculative_tokens
+    if fmt == VLLM_MEDUSA_FORMAT:
+        heads = head.config.num_heads
+        if k is not None and not 1 <= k <= heads:
+            raise ValueError(f"--num-speculative-tokens {k}: this Medusa head has {heads} heads "
+                             f"and vLLM drafts one token per head; give 1..{heads}")
+        out, method, k = save_vllm_medusa(head, args.out, dtype=dtype), "medusa", k or heads
+    else:
+        k = 3 if k is None else k
+        out = save_speculators(head, args.out, verifier=str(resolve_model(args.target)),
+                               num_speculative_tokens=k, dtype=dtype)
+        method = "eagle3"
+    spec = json.dumps({"method": method, "model": str(out), "num_speculative_tokens": k})
     print(f"wrote {out}: serve it with vllm serve {resolve_model(args.target)} "
-          f"--speculative-config '{{\"method\": \"eagle3\", \"model\": \"{out}\", "
-          f"\"num_speculative_tokens\": {args.num_speculative_tokens}}}'")
+          f"--speculative-config '{spec}'")
 
 
 def _load_args(p: argparse.ArgumentParser) -> None:

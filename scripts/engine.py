@@ -11,7 +11,9 @@ own `python -m treedraft.scripts.engine REQUEST.json` process. A request names t
 
 The child prints one line ``TREEDRAFT_RESULT {...}``: per job the generated token ids, their
 logprobs (per output, the sampled tokens' logprobs; null where the request asked for none), the
-finish reasons, the wall time of each wave and the change of vLLM's spec-decode counters during the job. While it
+finish reasons, the wall time of each wave and the change of vLLM's spec-decode counters during the job
+(and, when `TREEDRAFT_PROFILE` is in the engine's environment, the change of the worker's step
+profile: seconds per phase, steps, scheduled tokens; plugin/profile.py). While it
 runs it prints ``TREEDRAFT_PROGRESS {...}`` lines (engine ready; after each wave: job, tokens),
 which `run_engine` hands to its `progress` callback as they arrive.
 """
@@ -119,12 +121,16 @@ def _run_job(llm, job: dict) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from treedraft.plugin import profile
+
     prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
     raw = job["params"]
     params = ([SamplingParams(**p) for p in raw] if isinstance(raw, list)
               else [SamplingParams(**raw)] * len(prompts))
     bs = job.get("batch_size") or len(prompts)
     before = spec_counters(llm)
+    prof = os.environ.get(profile.PROFILE_ENV)  # the worker's step profile (plugin/profile.py)
+    prof_before = profile.read(prof)
     tokens, logprobs, finish, waves = [], [], [], []
     for i in range(0, len(prompts), bs):
         t = time.perf_counter()
@@ -140,8 +146,11 @@ def _run_job(llm, job: dict) -> dict:
                      for c in new]
         finish += [c.finish_reason for c in new]
         _report({"job": job["name"], "tokens": sum(len(c.token_ids) for c in new)})
-    return {"tokens": tokens, "logprobs": logprobs, "finish_reasons": finish,
-            "wave_seconds": waves, "spec": counter_delta(before, spec_counters(llm))}
+    out = {"tokens": tokens, "logprobs": logprobs, "finish_reasons": finish,
+           "wave_seconds": waves, "spec": counter_delta(before, spec_counters(llm))}
+    if prof:
+        out["profile"] = profile.delta(prof_before, profile.read(prof))
+    return out
 
 
 def _main(path: str) -> None:

@@ -152,6 +152,28 @@ def test_bench_configs_rows_and_table():
     assert "| chain=3 | 0 | 2 | 10.0 | 166.7 | 1.50x | 2.00 | 3.0 |" in markdown([row])
 
 
+def test_bench_profile_rows_and_table():
+    from treedraft.plugin.profile import delta
+    from treedraft.scripts.bench import _row, profile_markdown
+
+    before = {"step": 1.0, "prepare": 0.1, "forward": 0.5, "tree_attention": 0.2, "verify": 0.1,
+              "kv_compaction": 0.05, "drafting": 0.2, "steps": 10, "tokens": 40}
+    after = {"step": 3.0, "prepare": 0.2, "forward": 1.5, "tree_attention": 0.6, "verify": 0.3,
+             "kv_compaction": 0.1, "drafting": 0.6, "steps": 30, "tokens": 120}
+    d = delta(before, after)
+    assert d["steps"] == 20 and d["other"] == pytest.approx(2.0 - 0.1 - 1.0 - 0.2 - 0.4)
+    spec = {"drafts": 2, "draft_tokens": 6, "accepted": 2, "accepted_per_pos": [2, 0, 0],
+            "mean_acceptance_length": 2.0}
+    row = _row("tree=x", {"batch_size": 2, "params": {"temperature": 0}},
+               {"tokens": [[1, 2, 3], [4, 5]], "wave_seconds": [0.5], "spec": spec, "profile": d})
+    assert row["profile_ms"]["step"] == pytest.approx(100.0)  # 2 s over 20 steps
+    assert row["profile_ms"]["tree_attention"] == pytest.approx(20.0)
+    table = profile_markdown([row, {**row, "profile_ms": {}}])  # rows without a profile: skipped
+    assert table.count("| tree=x |") == 1
+    assert "| tree=x | 0 | 2 | 20 | 4.0 | 100.0 | 50.0 | 20.0 | 10.0 | 2.5 | 20.0 | 5.0 | 15.0 |" \
+        in table, table
+
+
 def test_bench_progress_estimate_and_closing_line():
     from treedraft.scripts.bench import PRESETS, Progress, best_speedup
 

@@ -2,9 +2,11 @@
 
 One engine per configuration runs the same jobs (tests/../scripts/engine.py):
 * greedy: 5 MT-bench first turns and 3 HumanEval problems of different lengths, submitted
-  together (batch 8, mixed prefill and decode), 48 tokens. Chain (vLLM's rejection sampler), a
-  hybrid tree (the EAGLE head's dynamic tree + prompt-lookup branches), prompt lookup alone (no
-  head) and a tree of the shipped Medusa head must be token-identical to vLLM without
+  together (batch 8, mixed prefill and decode), 48 tokens. Chain (vLLM's rejection sampler) and
+  a hybrid tree (dynamic tree + prompt-lookup branches), both drafted by the shipped EAGLE-3
+  head given as a speculators-format folder (import), the shipped EAGLE head's hybrid tree under
+  pressure (below), prompt lookup alone (no head) and a tree of the shipped Medusa head must be
+  token-identical to vLLM without
   speculation; a divergence is tolerated only at an fp near-tie of the target (top-2 logit gap
   < 1e-3, reported), at most once. Lookup branches must have been accepted.
 * pressure: the hybrid-tree engine with a KV cache of 5 blocks of 128 tokens and a 64-token
@@ -23,10 +25,17 @@ One engine per configuration runs the same jobs (tests/../scripts/engine.py):
 * batch-size schedule: vLLM's `num_speculative_tokens_per_batch_size` caps the tree at 2 nodes
   at batch <= 2 and turns drafting off above; outputs are still identical, and the draft counts
   show the cap (single stream: trees of at most 2 nodes; batch 8: no drafts while all 8 run).
+* step profile (`treedraft bench --profile`): the no-spec and lookup engines time their step
+  phases per job; nested phases add up, only the tree engine drafts and runs tree attention.
 * parity: single-stream (2 prompts), the acceptance vLLM counts per depth equals the offline evaluator's
   (`treedraft eval`'s reference decoder) for the same head, prompts and tree (chain:3, the
   hybrid tree, lookup alone): number of steps that drafted and accepted count at every depth
   equal within one step per prompt (vLLM may cut a request's last drafts at max_tokens; the reference does not).
+* exports in stock vLLM (treedraft's plugin disabled with VLLM_PLUGINS=none): vLLM's own
+  EAGLE-3 on the shipped EAGLE-3-layout head written in the speculators format, and vLLM's own
+  Medusa on the shipped Medusa head written in its Medusa format: the parity job's greedy
+  output equals no-speculation's and the per-depth acceptance equals the reference decoder's
+  chain with the treedraft folder of the same head.
 * sampling: 300 samples of the first 3 tokens of a fixed, repetitive prompt at T=0.8/top-p 0.9
   and at T=1/top-k 5; the joint distribution of the 3 tokens with speculation (chain and hybrid
   tree) equals the one without (chi-square homogeneity test, significance 1e-3), and drafts
@@ -41,6 +50,7 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency
 
+from treedraft.plugin.profile import PROFILE_ENV
 from treedraft.scripts.engine import run_engine
 from treedraft.scripts.eval_vllm import eval_jobs
 from treedraft.training.evaluate import EvalConfig, engine_summary
@@ -49,12 +59,13 @@ from treedraft.training.models import resolve_model
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 EAGLE = "smollm2-135m-eagle"
-CHAIN = {"model": EAGLE, "num_speculative_tokens": 3}
 HYBRID = "dynamic:10,3,3+lookup:6"
 TREE = {"model": EAGLE, "tree": HYBRID}
 EAGLE3 = "smollm2-135m-eagle3"  # shipped EAGLE-3-layout head (exported/imported below)
 LOOKUP = {"method": "treedraft", "tree": "lookup:8"}
+MEDUSA = "smollm2-135m-medusa"
 MEDUSA_TREE = "[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]"
+MEDUSA_K = 4  # the shipped Medusa head's number of heads: stock vLLM drafts one token per head
 SAMPLES = 300
 # a short raw prompt (300 prefills stay cheap) that repeats itself, so lookup proposes too
 SAMPLE_TEXT = "The sea is blue and the sky is blue. The sea is"
@@ -144,14 +155,31 @@ def eagle3_export(tmp_path_factory, target) -> str:
 
 
 @pytest.fixture(scope="module")
-def runs(target, prompts, tokenizer, eagle3_export, tmp_path_factory):
+def medusa_export(tmp_path_factory, target) -> str:
+    """The shipped Medusa head written in vLLM's own Medusa format (treedraft export)."""
+    from treedraft.heads.medusa import save_vllm_medusa
+    from treedraft.training.heads_zoo import load_head_for
+    from treedraft.training.target import load_target, target_signature
+
+    loaded = load_target(target)
+    head = load_head_for(MEDUSA, loaded.model, target_signature(loaded.model, loaded.tokenizer))
+    return str(save_vllm_medusa(head, tmp_path_factory.mktemp("export") / "medusa-vllm"))
+
+
+@pytest.fixture(scope="module")
+def runs(target, prompts, tokenizer, eagle3_export, medusa_export, tmp_path_factory):
     jobs = _jobs(prompts, tokenizer)
     greedy = jobs[:1]
     serving = _serving_job(prompts)
     small_kv = {"num_gpu_blocks_override": 5, "max_model_len": 512}  # 5 blocks of 128 tokens
+    profiles = tmp_path_factory.mktemp("profile")  # step profiles (plugin/profile.py)
     return Runs({
-        "base": (target, None, [*jobs, serving], None),
-        "chain": (target, CHAIN, [j for j in jobs if j["name"] != "topk"], None),
+        "base": (target, None, [*jobs, serving], None,
+                 {PROFILE_ENV: str(profiles / "base.json")}),
+        # chains by an EAGLE-3 head given in the speculators format (import)
+        "chain": (target, {"model": eagle3_export, "num_speculative_tokens": 3},
+                  [j for j in jobs if j["name"] != "topk"], None,
+                  {"TREEDRAFT_CACHE": str(tmp_path_factory.mktemp("cache"))}),
         # the hybrid tree drafted by an EAGLE-3 head given in the speculators format (import)
         "tree": (target, {"model": eagle3_export, "tree": HYBRID}, jobs, None,
                  {"TREEDRAFT_CACHE": str(tmp_path_factory.mktemp("cache"))}),
@@ -159,11 +187,15 @@ def runs(target, prompts, tokenizer, eagle3_export, tmp_path_factory):
         "stock_eagle3": (target, {"method": "eagle3", "model": eagle3_export,
                                   "num_speculative_tokens": 3}, jobs[1:2], None,
                          {"VLLM_PLUGINS": "none"}),
-        "lookup": (target, LOOKUP, jobs[:2], None),
-        "medusa": (target, {"model": "smollm2-135m-medusa", "tree": MEDUSA_TREE}, greedy, None),
+        # the shipped Medusa head exported to vLLM's Medusa format, in stock vLLM (export)
+        "stock_medusa": (target, {"method": "medusa", "model": medusa_export,
+                                  "num_speculative_tokens": MEDUSA_K}, jobs[1:2], None,
+                         {"VLLM_PLUGINS": "none"}),
+        "lookup": (target, LOOKUP, jobs[:2], None, {PROFILE_ENV: str(profiles / "lookup.json")}),
+        "medusa": (target, {"model": MEDUSA, "tree": MEDUSA_TREE}, greedy, None),
         # preemption (5 blocks of 128 tokens) and chunked prefill cutting trees (64-token steps)
-        "pressure": (target, TREE, [*greedy, serving], {**small_kv, "max_num_batched_tokens": 64,
-                                            "max_num_seqs": 8}),
+        "pressure": (target, TREE, [*greedy, serving, *jobs[1:2]],
+                     {**small_kv, "max_num_batched_tokens": 64, "max_num_seqs": 8}),
         "schedule": (target, {**TREE, "num_speculative_tokens_per_batch_size": SCHEDULE},
                      [jobs[1], {"name": "wide", "prompts": prompts, "params": {
                          "temperature": 0, "max_tokens": 16, "ignore_eos": True}}], None),
@@ -181,6 +213,23 @@ def test_engine_reports_progress_as_it_runs(runs):
     for name in ("greedy", "parity"):
         got = sum(e["tokens"] for e in waves if e["job"] == name)
         assert got == sum(map(len, results[name]["tokens"])) > 0
+
+
+def test_step_profile_times_each_phase(runs):
+    """`treedraft bench --profile`: the worker's phase times, per job, for any engine."""
+    base, tree = runs["base"][0]["greedy"]["profile"], runs["lookup"][0]["greedy"]["profile"]
+    print(f"step profile, greedy job: no-spec {base}; lookup tree {tree}")
+    # without drafts a step gives each request one token at most
+    assert base["steps"] >= max(map(len, runs["base"][0]["greedy"]["tokens"]))
+    for p in (base, tree):
+        assert p["step"] > 0 and p["forward"] > 0 and p["verify"] > 0
+        # nested phases: every timed phase lies inside the step, the tree parts inside theirs
+        assert p["other"] > -1e-3, p
+        assert p["tree_attention"] <= p["forward"] and p["kv_compaction"] <= p["verify"]
+    assert base["drafting"] == base["tree_attention"] == base["kv_compaction"] == 0  # no spec
+    assert tree["drafting"] > 0 and tree["tree_attention"] > 0  # lookup drafted branching trees
+    # scheduled tokens per step: the trees' nodes ride along with each root
+    assert tree["tokens"] / tree["steps"] > base["tokens"] / base["steps"]
 
 
 def _top2_gap(model, ids: list[int]) -> float:
@@ -208,9 +257,9 @@ def _check_identical(base: list[list[int]], got: list[list[int]], prompts, targe
 
 
 @pytest.mark.parametrize("name", ["chain", "tree", "lookup", "medusa", "pressure",
-                                  "stock_eagle3"])
+                                  "stock_eagle3", "stock_medusa"])
 def test_greedy_outputs_identical_to_no_speculation(runs, name, prompts, target):
-    job = "parity" if name == "stock_eagle3" else "greedy"  # stock vLLM: the parity job only
+    job = "parity" if name.startswith("stock_") else "greedy"  # stock vLLM: the parity job only
     base = runs["base"][0][job]["tokens"]
     res = runs[name][0][job]
     assert all(0 < len(t) <= 48 for t in res["tokens"])
@@ -229,6 +278,11 @@ def test_greedy_outputs_identical_to_no_speculation(runs, name, prompts, target)
     if name == "stock_eagle3":  # vLLM's own EAGLE-3 ran our export and accepted its drafts
         log = runs[name][1]
         assert "Eagle3LlamaForCausalLM" in log and "method='eagle3'" in log
+        assert "custom_class" not in log and "TreeDraftProposer" not in log
+        assert res["spec"]["accepted"] > 0
+    elif name == "stock_medusa":  # vLLM's own Medusa ran our export and accepted its drafts
+        log = runs[name][1]
+        assert "method='medusa'" in log, log[-3000:]
         assert "custom_class" not in log and "TreeDraftProposer" not in log
         assert res["spec"]["accepted"] > 0
     elif name != "chain":  # trees were drafted: more draft tokens than verify steps
@@ -272,12 +326,13 @@ def test_batch_size_schedule_caps_drafts(runs, prompts, target):
         assert w[: len(b)] == b[:16]
 
 
-# chain: the shipped EAGLE head; tree: the EAGLE-3 head imported from the speculators format;
-# stock_eagle3: vLLM's own EAGLE-3 on the exported folder; both against the reference decoder on
-# the treedraft folder of the same head
+# chain and tree: the EAGLE-3 head imported from the speculators format; pressure: the shipped
+# EAGLE head's hybrid tree (treedraft folder) under a 64-token step budget; stock_eagle3 / stock_medusa: vLLM's own EAGLE-3 / Medusa on the exported folder; all against
+# the reference decoder on the treedraft folder of the same head
 @pytest.mark.parametrize("name, tree, head_name", [
-    ("chain", "chain:3", EAGLE), ("tree", HYBRID, EAGLE3), ("lookup", LOOKUP["tree"], None),
-    ("stock_eagle3", "chain:3", EAGLE3)])
+    ("chain", "chain:3", EAGLE3), ("tree", HYBRID, EAGLE3), ("pressure", HYBRID, EAGLE),
+    ("lookup", LOOKUP["tree"], None),
+    ("stock_eagle3", "chain:3", EAGLE3), ("stock_medusa", f"chain:{MEDUSA_K}", MEDUSA)])
 def test_acceptance_per_depth_matches_offline_evaluator(runs, name, tree, head_name, target,
                                                         torch_threads):
     from treedraft.training.data import load_prompts
@@ -311,7 +366,7 @@ def test_acceptance_per_depth_matches_offline_evaluator(runs, name, tree, head_n
     ref_tau = 1 + sum(ref_counts) / steps
     assert abs(report["mean_acceptance_length"] - ref_tau) <= tol * ref["tree_depth"] / steps
     assert report["tokens_generated"] == ref["tokens_generated"]
-    if name in ("chain", "stock_eagle3"):  # the head's drafts were accepted
+    if name in ("chain", "stock_eagle3", "stock_medusa"):  # the head's drafts were accepted
         assert ref["accepted_by_source"]["head"] > 0
     else:  # the lookup branches were accepted too
         by_source = ref["accepted_by_source"]

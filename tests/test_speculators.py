@@ -4,7 +4,10 @@
 * the exported tensors computed the way vLLM 0.32's `llama_eagle3.py` computes them (written
   out below from that file, on the exported names) give our head's features and logits;
 * bad folders are refused naming the field and both values; export refuses the eagle1 layout
-  and the post-norm output layer.
+  and the post-norm output layer;
+* Medusa heads in vLLM's own Medusa format (heads/medusa.py save_vllm_medusa): the exported
+  tensors computed the way vLLM 0.32's `medusa.py` computes them give our heads' logits, with the
+  target's LM head shared or each head's own.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from test_heads import H, Tree, V, make_eagle, sig, target_weights
+from test_heads import H, Tree, V, make_eagle, make_medusa, sig, target_weights
 
 from treedraft.heads import load_head
 from treedraft.heads.speculators import load_speculators, save_speculators
@@ -211,3 +214,51 @@ def test_export_refuses_what_stock_vllm_cannot_run(tmp_path):
         save_speculators(eagle3(fuse_norm=True, norm_before_fc=True), tmp_path / "c",
                          verifier="t")
     assert not any((tmp_path / d).exists() for d in "abcd")
+
+
+def _vllm_medusa(w: dict, cfg: dict, hidden, k: int):
+    """vLLM 0.32 medusa.py, head k: ResidualBlock (x + SiLU(Linear(x)) per layer), then its LM
+    head (the one shared `lm_head`, loaded from lm_heads.0, with original_lm_head)."""
+    x = hidden
+    for j in range(cfg["num_hidden_layers"]):
+        lin = x @ w[f"blocks.{k}.layers.{j}.weight"].T
+        if cfg["medusa_fc_bias"]:
+            lin = lin + w[f"blocks.{k}.layers.{j}.bias"]
+        x = x + F.silu(lin)
+    lm = w["lm_heads.0.weight"] if cfg["original_lm_head"] else w[f"lm_heads.{k}.weight"]
+    return x @ lm.T
+
+
+@pytest.mark.parametrize("opts", [{}, {"own_lm_head": True}, {"num_layers": 2}])
+def test_medusa_export_is_vllms_medusa_math(tmp_path, opts):
+    from treedraft.heads.medusa import save_vllm_medusa
+
+    heads = make_medusa(**opts)
+    out = save_vllm_medusa(heads, tmp_path / "medusa")
+    cfg = json.loads((out / "config.json").read_text())
+    w = load_file(str(out / "model.safetensors"))
+    assert cfg["model_type"] == "medusa" and cfg["truncated_vocab_size"] == cfg["vocab_size"] == V
+    # vLLM's MedusaConfig renames every top-level key holding "num" (to num_heads or
+    # num_hidden_layers): the export has just those two
+    assert sorted(key for key in cfg if "num" in key) == ["num_heads", "num_hidden_layers"]
+    assert cfg["num_heads"] == 3 and cfg["num_hidden_layers"] == opts.get("num_layers", 1)
+    # the target's LM head is written once, not once per head
+    lm_keys = sorted(key for key in w if key.startswith("lm_heads."))
+    assert lm_keys == [f"lm_heads.{k}.weight"
+                       for k in range(3 if opts.get("own_lm_head") else 1)]
+    assert cfg["original_lm_head"] is not bool(opts.get("own_lm_head"))
+    hidden = torch.randn(5, H)
+    with torch.no_grad():
+        ours = heads(hidden)  # [5, K, V]
+    for k in range(3):
+        torch.testing.assert_close(_vllm_medusa(w, cfg, hidden, k), ours[:, k])
+
+
+def test_medusa_export_refuses_other_heads(tmp_path):
+    from treedraft.heads.medusa import save_vllm_medusa
+
+    with pytest.raises(ValueError, match="holds Medusa heads; this is a 'eagle' head"):
+        save_vllm_medusa(eagle3(), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match="'medusa' layout"):  # and the other way round
+        save_speculators(make_medusa(), tmp_path / "out2", verifier="t")
