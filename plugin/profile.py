@@ -43,10 +43,12 @@ TIMED = {"execute_model": "step", "sample_tokens": "step", "_prepare_inputs": "p
 
 
 class StepProfile:
-    """One runner's cumulative phase times, written to `path` after every step."""
+    """One runner's cumulative phase times, written to `path` after every step. On CUDA each
+    timer synchronizes the device (otherwise kernels' time lands in whichever phase syncs)."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, sync: bool = False) -> None:
         self.path = Path(path)
+        self.sync = sync
         self.totals = dict.fromkeys((*PHASES, *COUNTS), 0.0)
 
     def add(self, phase: str, seconds: float) -> None:
@@ -66,6 +68,10 @@ def _timed(profile: StepProfile, name: str, bound):
         try:
             return bound(*args, **kwargs)
         finally:
+            if profile.sync:
+                import torch
+
+                torch.cuda.synchronize()
             profile.add(phase, time.perf_counter() - t)
             if name == "execute_model":
                 n = int(getattr(args[0], "total_num_scheduled_tokens", 0) or 0)
@@ -85,19 +91,27 @@ def _timed(profile: StepProfile, name: str, bound):
 
 
 def instrument(runner, path: str | os.PathLike) -> StepProfile:
-    """Time `runner`'s step phases into `path` (instance attributes over the class methods)."""
-    profile = StepProfile(path)
+    """Time `runner`'s step phases into `path` (instance attributes over the class methods).
+    The file starts at zero (a reader's first 'before' must not be an earlier engine's)."""
+    profile = StepProfile(path, sync=getattr(runner.device, "type", "cpu") == "cuda")
     for name in TIMED:
         setattr(runner, name, _timed(profile, name, getattr(runner, name)))
     runner.treedraft_profile = profile
+    profile.write()
     return profile
+
+
+def _rank0() -> bool:
+    import torch
+
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
 def _wrap_init(original):
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
         path = os.environ.get(PROFILE_ENV)
-        if path:
+        if path and _rank0():  # one writer per engine (tensor parallel ranks run the same steps)
             instrument(self, path)
 
     return __init__

@@ -265,6 +265,10 @@ def cmd_export(args: argparse.Namespace) -> None:
     dtype = getattr(torch, args.dtype) if args.dtype else None
     k = args.num_speculative_tokens
     if fmt == VLLM_MEDUSA_FORMAT:
+        if head.head_type != "medusa":
+            raise ValueError(f"--format {fmt} holds Medusa heads; {args.head} is a "
+                             f"{head.head_type!r} head (EAGLE heads export with --format "
+                             "speculators)")
         heads = head.config.num_heads
         if k is not None and not 1 <= k <= heads:
             raise ValueError(f"--num-speculative-tokens {k}: this Medusa head has {heads} heads "

@@ -96,6 +96,23 @@ def test_export_refuses_the_eagle1_layout(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
+def test_export_medusa_for_stock_vllm(tmp_path):
+    out = tmp_path / "medusa"
+    r = run("export", "smollm2-135m-medusa", str(out), "--num-speculative-tokens", "5")
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "this Medusa head has 4 heads" in r.stderr and "give 1..4" in r.stderr, r.stderr[-2000:]
+    assert not out.exists()
+    r = run("export", "smollm2-135m-eagle3", str(out), "--format", "vllm-medusa")
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "holds Medusa heads" in r.stderr and "'eagle' head" in r.stderr, r.stderr[-2000:]
+    r = run("export", "smollm2-135m-medusa", str(out))  # the format follows the head's type
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert '"method": "medusa"' in r.stdout and '"num_speculative_tokens": 4' in r.stdout
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "medusa" and cfg["num_heads"] == 4 and cfg["original_lm_head"]
+
+
 def test_eval_vllm_jobs_and_configs():
     from treedraft.scripts.eval_vllm import eval_jobs, speculative_config
     from treedraft.training.evaluate import EvalConfig, engine_summary
