@@ -162,9 +162,11 @@ def to_vllm_medusa(heads: MedusaHeads) -> tuple[dict, dict[str, Tensor]]:
     return config, state
 
 
-def save_vllm_medusa(heads: MedusaHeads, out, *, dtype: torch.dtype | None = None):
+def save_vllm_medusa(heads: MedusaHeads, out, *, dtype: torch.dtype | None = None,
+                     num_speculative_tokens: int | None = None):
     """Write `heads` as a folder stock vLLM serves with {"method": "medusa", "model": out,
-    "num_speculative_tokens": K <= num_heads}; returns the folder's Path."""
+    "num_speculative_tokens": K}; K (checked before anything is written) must be 1..num_heads:
+    vLLM drafts one token per head. Returns the folder's Path."""
     import json
     from pathlib import Path
 
@@ -174,6 +176,10 @@ def save_vllm_medusa(heads: MedusaHeads, out, *, dtype: torch.dtype | None = Non
         raise ValueError(f"the {VLLM_MEDUSA_FORMAT} format holds Medusa heads; this is a "
                          f"{getattr(heads, 'head_type', type(heads).__name__)!r} head (EAGLE "
                          "heads export with --format speculators)")
+    n, k = heads.config.num_heads, num_speculative_tokens
+    if k is not None and not 1 <= k <= n:
+        raise ValueError(f"--num-speculative-tokens {k}: this Medusa head has {n} heads and vLLM "
+                         f"drafts one token per head; give 1..{n}")
     config, state = to_vllm_medusa(heads)
     state = {k: (v.to(dtype) if dtype is not None else v).detach().contiguous().cpu()
              for k, v in state.items()}

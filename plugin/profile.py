@@ -96,7 +96,6 @@ def instrument(runner, path: str | os.PathLike) -> StepProfile:
     profile = StepProfile(path, sync=getattr(runner.device, "type", "cpu") == "cuda")
     for name in TIMED:
         setattr(runner, name, _timed(profile, name, getattr(runner, name)))
-    runner.treedraft_profile = profile
     profile.write()
     return profile
 

@@ -287,12 +287,8 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
            "enforce_eager": o["enforce_eager"]}
     rows = []
     for i, c in enumerate(configs):
-        # the worker rewrites this file after every step (plugin/profile.py)
-        env = None
-        if profile:
-            prof = (out / f"profile-{i}.json").resolve()
-            prof.unlink(missing_ok=True)  # not an earlier bench's totals
-            env = {PROFILE_ENV: str(prof)}
+        # the worker zeroes this file when its runner starts, then rewrites it after every step
+        env = {PROFILE_ENV: str((out / f"profile-{i}.json").resolve())} if profile else None
         results, _ = progress.run(i, c, lambda cb, c=c, env=env: run_engine(
             target_dir, specs[c], jobs, llm=llm, timeout=7200, progress=cb, env=env))
         rows += [_row(c, j, results[j["name"]]) for j in jobs]

@@ -264,16 +264,9 @@ def cmd_export(args: argparse.Namespace) -> None:
     fmt = args.format or (VLLM_MEDUSA_FORMAT if head.head_type == "medusa" else "speculators")
     dtype = getattr(torch, args.dtype) if args.dtype else None
     k = args.num_speculative_tokens
-    if fmt == VLLM_MEDUSA_FORMAT:
-        if head.head_type != "medusa":
-            raise ValueError(f"--format {fmt} holds Medusa heads; {args.head} is a "
-                             f"{head.head_type!r} head (EAGLE heads export with --format "
-                             "speculators)")
-        heads = head.config.num_heads
-        if k is not None and not 1 <= k <= heads:
-            raise ValueError(f"--num-speculative-tokens {k}: this Medusa head has {heads} heads "
-                             f"and vLLM drafts one token per head; give 1..{heads}")
-        out, method, k = save_vllm_medusa(head, args.out, dtype=dtype), "medusa", k or heads
+    if fmt == VLLM_MEDUSA_FORMAT:  # checks the head type and k before writing
+        out = save_vllm_medusa(head, args.out, dtype=dtype, num_speculative_tokens=k)
+        method, k = "medusa", k or head.config.num_heads
     else:
         k = 3 if k is None else k
         out = save_speculators(head, args.out, verifier=str(resolve_model(args.target)),

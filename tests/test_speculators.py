@@ -260,5 +260,8 @@ def test_medusa_export_refuses_other_heads(tmp_path):
     with pytest.raises(ValueError, match="holds Medusa heads; this is a 'eagle' head"):
         save_vllm_medusa(eagle3(), tmp_path / "out")
     assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match="has 3 heads .*give 1..3"):  # vLLM: one token per head
+        save_vllm_medusa(make_medusa(), tmp_path / "out", num_speculative_tokens=4)
+    assert not (tmp_path / "out").exists()
     with pytest.raises(ValueError, match="'medusa' layout"):  # and the other way round
         save_speculators(make_medusa(), tmp_path / "out2", verifier="t")
