@@ -115,6 +115,21 @@ def node_depth(parents: Sequence[int], node: int) -> int:
 HEADS: dict[str, type[DraftHead]] = {}
 
 
+def commit_sessions(items: Sequence) -> None:
+    """Commit (session, target_hidden, tokens) items, one per request: together where the
+    sessions' class offers `commit_many` (EagleSession: one packed head forward), else one by
+    one."""
+    if not items:
+        return
+    cls = type(items[0][0])
+    many = getattr(cls, "commit_many", None)
+    if many is not None and all(type(s) is cls for s, *_ in items):
+        many(items)
+        return
+    for session, target_hidden, tokens in items:
+        session.commit(target_hidden, tokens)
+
+
 def register_head(name: str) -> Callable[[type[DraftHead]], type[DraftHead]]:
     """Class decorator: `@register_head("eagle")` makes `load_head` find the class by name."""
 

@@ -148,7 +148,7 @@ class DecoderLayer(nn.Module):
         self.up_proj = nn.Linear(h, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, h, bias=False)
 
-    def attention(self, x: Tensor, positions: Tensor, past_kv, attn_mask):
+    def attention(self, x: Tensor, positions: Tensor, past_kv, attn_mask, packed=None):
         c = self.c
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
@@ -157,6 +157,9 @@ class DecoderLayer(nn.Module):
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [B, nh|nkv, T, D]
         new_kv = (k, v)  # cached post-RoPE, for these T tokens only
+        if packed is not None:  # several sessions' tokens in one row: attention per segment
+            o = torch.cat([self._segment(q, k, v, seg) for seg in packed], dim=2)
+            return self.o_proj(o.transpose(1, 2).reshape(B, T, -1)), None
         if past_kv is not None:
             k, v = torch.cat([past_kv[0], k], dim=2), torch.cat([past_kv[1], v], dim=2)
         S = k.shape[2]  # S_past + T
@@ -175,13 +178,23 @@ class DecoderLayer(nn.Module):
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, nh, T, D]
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1)), new_kv
 
-    def forward(self, x: Tensor, positions: Tensor, past_kv=None, attn_mask=None):
-        return self.forward_from(self.attn_norm(x), x, positions, past_kv, attn_mask)
+    def _segment(self, q: Tensor, k: Tensor, v: Tensor, seg: Segment) -> Tensor:
+        """One session's queries [1, nh, T, D] of a packed row: its K/V written into its cache at
+        `seg.at`, attention over the cache's first at+T slots under `seg.mask` [T, at+T]."""
+        lo, hi = seg.lo, seg.hi
+        keys, values = seg.cache.write(seg.at, k[:, :, lo:hi], v[:, :, lo:hi])
+        groups = self.c.num_attention_heads // self.c.num_key_value_heads
+        keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+        mask = None if seg.mask is None else seg.mask[None, None]
+        return F.scaled_dot_product_attention(q[:, :, lo:hi], keys, values, attn_mask=mask)
+
+    def forward(self, x: Tensor, positions: Tensor, past_kv=None, attn_mask=None, packed=None):
+        return self.forward_from(self.attn_norm(x), x, positions, past_kv, attn_mask, packed)
 
     def forward_from(self, attn_in: Tensor, residual: Tensor, positions: Tensor, past_kv=None,
-                     attn_mask=None):
+                     attn_mask=None, packed=None):
         """residual + attn(attn_in), then + mlp(norm(.)); returns (x, this step's kv)."""
-        a, new_kv = self.attention(attn_in, positions, past_kv, attn_mask)
+        a, new_kv = self.attention(attn_in, positions, past_kv, attn_mask, packed)
         x = residual + a
         h = self.mlp_norm(x)
         x = x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
@@ -243,13 +256,16 @@ class EagleHead(DraftHead):
         return self.fuse(x)
 
     def forward(self, features: Tensor, input_ids: Tensor, positions: Tensor,
-                past_kv: tuple[Tensor, Tensor] | None = None, attn_mask: Tensor | None = None):
+                past_kv: tuple[Tensor, Tensor] | None = None, attn_mask: Tensor | None = None,
+                packed: list[Segment] | None = None):
         """Run pairs (features[b, t], input_ids[b, t]) at positions[b, t].
 
         features [B, T, H] (projected), input_ids/positions [B, T]; past_kv (k, v) [B, Hkv, S, D];
         attn_mask bool [B, T, S+T] (True = attend), None = causal over past + current.
         Returns out_features [B, T, H] (predicted next features; eagle3: the pre-norm residual
         stream) and (k, v) [B, Hkv, T, D] of these T tokens.
+        packed: B == 1 holds several sessions' tokens, one `Segment` each; attention runs per
+        segment against that session's cache (written in place); returns (out_features, None).
         """
         embed = (self.embed_tokens.weight if self.embed_tokens is not None
                  else self._bound("target_embed"))
@@ -258,9 +274,9 @@ class EagleHead(DraftHead):
         if self.eagle3:  # vLLM llama_eagle3.py: attention reads the 2H concat
             residual = f if self.config.norm_before_residual else features
             return self.layer.forward_from(torch.cat([self.embed_norm(e), f], dim=-1), residual,
-                                           positions, past_kv, attn_mask)
+                                           positions, past_kv, attn_mask, packed)
         x = self.combine(torch.cat([self.embed_norm(e), f], dim=-1))
-        x, new_kv = self.layer(x, positions, past_kv, attn_mask)
+        x, new_kv = self.layer(x, positions, past_kv, attn_mask, packed)
         return self.final_norm(x), new_kv
 
     def draft_logits(self, feature: Tensor) -> Tensor:
@@ -294,8 +310,43 @@ class EagleHead(DraftHead):
         return out
 
 
+@dataclass
+class Segment:
+    """One session's tokens lo..hi of a packed row (see `EagleHead.forward(packed=...)`)."""
+
+    lo: int
+    hi: int
+    cache: KVCache  # the session's K/V; these tokens are written at slots at..at+T-1
+    at: int
+    mask: Tensor | None  # bool [T, at+T] over the cache slots (True = attend); None = all
+
+
+class KVCache:
+    """One session's head K/V, [1, Hkv, capacity, D] each: written in place, grown by doubling
+    (a draft step copies nothing but the new tokens' K/V)."""
+
+    def __init__(self) -> None:
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+
+    def write(self, at: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store k, v [1, Hkv, T, D] at slots at..at+T-1; views of slots 0..at+T-1."""
+        end = at + k.shape[2]
+        if self.k is None or end > self.k.shape[2] or self.k.dtype != k.dtype:
+            cap = max(end, 64, 2 * (0 if self.k is None else self.k.shape[2]))
+            old = (self.k, self.v)
+            self.k = k.new_empty(1, k.shape[1], cap, k.shape[3])
+            self.v = v.new_empty(1, v.shape[1], cap, v.shape[3])
+            if old[0] is not None and at:
+                self.k[:, :, :at] = old[0][:, :, :at]
+                self.v[:, :, :at] = old[1][:, :, :at]
+        self.k[:, :, at:end] = k
+        self.v[:, :, at:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
 class EagleSession:
-    """Stateful drafting with an EagleHead (batch 1); implements heads/tree.py's Expander.
+    """Stateful drafting with an EagleHead (one request); implements heads/tree.py's Expander.
 
     Positions, with n = number of committed pairs so far (the root token x_n is the bonus token):
     - commit: pair (f_t, x_{t+1}) sits at position t; the root pair (f_{n-1}, x_n) at n-1.
@@ -304,14 +355,20 @@ class EagleSession:
       (fhat of its PARENT, y) at position n-1+d and attends to every committed pair, the pairs
       of its depth>=1 ancestors, and itself. Its output is the feature whose logits give its
       children. This is exactly what a chain commit of the path would compute.
-    Node KVs live until the next commit (or the next expand([0]), which starts a new tree).
+    The K/V cache holds the committed pairs (slots 0..C-1, C = length - start), then the current
+    tree's nodes in the order they ran; the next commit or new tree overwrites the node slots.
+
+    Sessions of one head batch across requests: `commit_many` and `expand_topk_many` run every
+    session's tokens of a step (or of a tree level) in ONE packed head forward and one LM-head
+    matmul, attention per session against its own cache (heads/tree.py `draft_trees` uses
+    them). One session alone takes the same path: the math lives once.
     """
 
     def __init__(self, head: EagleHead) -> None:
         self.head = head
         self.length = 0  # committed pairs = next pair position
-        self.start = 0  # position of the first pair in self.kv (> 0 after a rewind past a gap)
-        self.kv: tuple[Tensor, Tensor] | None = None  # committed cache [1, Hkv, length, D]
+        self.start = 0  # position of the first pair in the cache (> 0 after a rewind past a gap)
+        self.cache = KVCache()
         self.last_token: int | None = None
         self.root_feature: Tensor | None = None  # [H] output of the last committed pair
         self._reset_tree()
@@ -319,28 +376,12 @@ class EagleSession:
     def _reset_tree(self) -> None:
         self.feat: dict[int, Tensor] = {0: self.root_feature}  # node -> output feature [H]
         self.depth: dict[int, int] = {0: 0}
-        self.tree_nodes: list[int] = []  # node id of each tree KV slot
-        self.tree_kv: tuple[Tensor, Tensor] | None = None  # [1, Hkv, len(tree_nodes), D]
+        self.tree_nodes: list[int] = []  # node id of each tree slot (after the committed ones)
 
-    @torch.no_grad()
+    # ---------------------------------------------------------------- one session
     def commit(self, target_hidden: Tensor, tokens: Tensor) -> None:
         """Append pairs (target_hidden[i], tokens[i]); target_hidden [T, n*H], tokens [T]."""
-        if target_hidden.ndim != 2 or tokens.shape != (target_hidden.shape[0],) or not len(tokens):
-            raise ValueError(
-                f"commit expects target_hidden [T, n*H] and tokens [T] with T >= 1, got "
-                f"{list(target_hidden.shape)} and {list(tokens.shape)}"
-            )
-        p = next(self.head.parameters())
-        feats = self.head.project(target_hidden.to(p.device, p.dtype))[None]  # [1, T, H]
-        T = feats.shape[1]
-        pos = torch.arange(self.length, self.length + T, device=p.device)[None]
-        out, (k, v) = self.head(feats, tokens.to(p.device)[None], pos, self.kv)
-        self.kv = (k, v) if self.kv is None else (
-            torch.cat([self.kv[0], k], 2), torch.cat([self.kv[1], v], 2))
-        self.length += T
-        self.last_token = int(tokens[-1])
-        self.root_feature = out[0, -1]
-        self._reset_tree()
+        self.commit_many([(self, target_hidden, tokens)])
 
     def rewind(self, length: int) -> None:
         """Make `length` the next pair position before a commit.
@@ -353,37 +394,113 @@ class EagleSession:
             return
         if length < 0:
             raise ValueError(f"rewind position must be >= 0, got {length}")
-        if self.start < length < self.length:
-            keep = length - self.start
-            self.kv = (self.kv[0][:, :, :keep], self.kv[1][:, :, :keep])
-        else:  # back to (or before) the first kept pair, or forward past a gap: no context
-            self.kv, self.start = None, length
-        self.length = length
+        if not self.start < length < self.length:
+            # back to (or before) the first kept pair, or forward past a gap: no context
+            self.start = length
+        self.length = length  # cache slots past length - start are overwritten by the commit
         self.last_token, self.root_feature = None, None
         self._reset_tree()
 
     @torch.no_grad()
     def expand(self, tree, nodes: list[int]) -> Tensor:
         """Log-probs [len(nodes), V_target] of each node's CHILD token (float32)."""
-        return torch.log_softmax(self.head.logits(self._features(tree, nodes)).float(), dim=-1)
+        feats = self._features_many([(self, tree, nodes)])[0]
+        return torch.log_softmax(self.head.logits(feats).float(), dim=-1)
 
-    @torch.no_grad()
     def expand_topk(self, tree, nodes: list[int], k: int) -> tuple[Tensor, Tensor]:
         """Top-k (log-probs [N, k] float32, target token ids [N, k]) of each node's child.
 
         Same values as `expand(...).topk(k)`, computed over the draft vocabulary only: with a
         reduced draft vocab this skips the scatter into, softmax over and top-k of the full one.
         """
-        lg = self.head.draft_logits(self._features(tree, nodes)).float()
-        if k > lg.shape[-1]:
-            raise ValueError(f"cannot draft {k} distinct children from a vocabulary of "
-                             f"{lg.shape[-1]}")
-        values, idx = torch.log_softmax(lg, dim=-1).topk(k, dim=-1)
-        d2t = getattr(self.head, "d2t", None)
-        return values, (idx if d2t is None else d2t[idx])
+        return self.expand_topk_many([(self, tree, nodes, k)])[0]
 
-    def _features(self, tree, nodes: list[int]) -> Tensor:
-        """[len(nodes), H] output features of the nodes, running the missing ones first."""
+    # ---------------------------------------------------------------- many sessions, one forward
+    @staticmethod
+    @torch.no_grad()
+    def commit_many(items) -> None:
+        """`commit` for several sessions of one head: items (session, target_hidden [T, n*H],
+        tokens [T]); all pairs in one packed forward."""
+        head = items[0][0].head
+        p = next(head.parameters())
+        hidden, ids, pos, segs, lo = [], [], [], [], 0
+        for s, target_hidden, tokens in items:
+            if s.head is not head:
+                raise ValueError("commit_many: every session must belong to the same head")
+            T = target_hidden.shape[0] if target_hidden.ndim == 2 else 0
+            if target_hidden.ndim != 2 or tokens.shape != (T,) or not T:
+                raise ValueError(
+                    f"commit expects target_hidden [T, n*H] and tokens [T] with T >= 1, got "
+                    f"{list(target_hidden.shape)} and {list(tokens.shape)}"
+                )
+            C = s.length - s.start
+            hidden.append(target_hidden.to(p.device, p.dtype))
+            ids.append(tokens.to(p.device))
+            pos.append(torch.arange(s.length, s.length + T, device=p.device))
+            # causal: pair i sees the committed pairs and pairs 0..i of this commit
+            mask = (None if T == 1 else
+                    torch.ones(T, C + T, dtype=torch.bool, device=p.device).tril(diagonal=C))
+            segs.append(Segment(lo, lo + T, s.cache, C, mask))
+            lo += T
+        feats = head.project(torch.cat(hidden))[None]  # [1, N, H]
+        out, _ = head(feats, torch.cat(ids)[None], torch.cat(pos)[None], packed=segs)
+        for (s, _, tokens), seg in zip(items, segs, strict=True):
+            s.length += seg.hi - seg.lo
+            s.last_token = int(tokens[-1])
+            s.root_feature = out[0, seg.hi - 1]
+            s._reset_tree()
+
+    @staticmethod
+    @torch.no_grad()
+    def expand_topk_many(items) -> list[tuple[Tensor, Tensor]]:
+        """`expand_topk` for several sessions of one head: items (session, tree, nodes, k); the
+        missing nodes of all trees run in one packed forward, the logits in one matmul."""
+        feats = EagleSession._features_many([(s, tree, nodes) for s, tree, nodes, _ in items])
+        head = items[0][0].head
+        lg = head.draft_logits(torch.cat(feats)).float()
+        kmax = max(k for *_, k in items)
+        if kmax > lg.shape[-1]:
+            raise ValueError(f"cannot draft {kmax} distinct children from a vocabulary of "
+                             f"{lg.shape[-1]}")
+        values, idx = torch.log_softmax(lg, dim=-1).topk(kmax, dim=-1)
+        d2t = getattr(head, "d2t", None)
+        if d2t is not None:
+            idx = d2t[idx]
+        out, lo = [], 0
+        for f, (*_, k) in zip(feats, items, strict=True):
+            out.append((values[lo : lo + len(f), :k], idx[lo : lo + len(f), :k]))
+            lo += len(f)
+        return out
+
+    @staticmethod
+    def _features_many(items) -> list[Tensor]:
+        """Per item (session, tree, nodes): the nodes' output features [len(nodes), H], after
+        running the missing ones of all sessions together (one packed forward per wave; one wave
+        when callers expand level by level)."""
+        pending = []
+        for s, tree, nodes in items:
+            if s.head is not items[0][0].head:
+                raise ValueError("sessions drafted together must belong to the same head")
+            pending.append((s, tree, s._todo(tree, nodes)))
+        while True:
+            jobs = []
+            for s, tree, todo in pending:
+                if not todo:
+                    continue
+                parents = tree.parents.tolist()
+                ready = [n for n in todo if parents[n] in s.feat]
+                if not ready:
+                    raise ValueError(f"cannot expand nodes {todo}: their parents were never "
+                                     "expanded")
+                jobs.append((s, tree, parents, ready))
+            if not jobs:
+                break
+            EagleSession._run_nodes(jobs)
+            pending = [(s, tree, [n for n in todo if n not in s.feat]) for s, tree, todo in pending]
+        return [torch.stack([s.feat[n] for n in nodes]) for s, _, nodes in items]
+
+    def _todo(self, tree, nodes: list[int]) -> list[int]:
+        """The listed nodes without features yet (a request for the root starts a new tree)."""
         if self.length == 0:
             raise RuntimeError("commit target hidden states before drafting (nothing committed)")
         if 0 in nodes:
@@ -394,44 +511,39 @@ class EagleSession:
                     "the root must be the bonus token passed last to commit"
                 )
             self._reset_tree()
-        parents = [int(x) for x in tree.parents.tolist()]
-        todo = [n for n in dict.fromkeys(nodes) if n not in self.feat]
-        while todo:  # normally one wave: callers expand level by level
-            ready = [n for n in todo if parents[n] in self.feat]
-            if not ready:
-                raise ValueError(f"cannot expand nodes {todo}: their parents were never expanded")
-            self._run(tree, parents, ready)
-            todo = [n for n in todo if n not in self.feat]
-        return torch.stack([self.feat[n] for n in nodes])  # [N, H]
+        return [n for n in dict.fromkeys(nodes) if n not in self.feat]
 
-    def _run(self, tree, parents: list[int], nodes: list[int]) -> None:
-        """One batched forward over `nodes` (all parents already have features)."""
-        dev = self.kv[0].device
-        for n in nodes:
-            self.depth[n] = self.depth[parents[n]] + 1  # parents ran before their children
-        feats = torch.stack([self.feat[parents[n]] for n in nodes])[None]  # [1, T, H]
-        ids = tree.tokens[nodes].to(dev)[None]  # [1, T]
-        pos = torch.tensor([self.length - 1 + self.depth[n] for n in nodes], device=dev)[None]
-        # mask [1, T, length + M + T]: all committed pairs; earlier tree slots that are
-        # ancestors; among the current nodes only the node itself.
-        M, T = len(self.tree_nodes), len(nodes)
-        C = self.length - self.start  # committed pairs held in self.kv
-        mask = torch.zeros(T, C + M + T, dtype=torch.bool, device=dev)
-        mask[:, :C] = True
-        slot = {node: j for j, node in enumerate(self.tree_nodes)}
-        for i, n in enumerate(nodes):
-            a = parents[n]
-            while a > 0:
-                mask[i, C + slot[a]] = True
-                a = parents[a]
-            mask[i, C + M + i] = True
-        past = self.kv if self.tree_kv is None else (
-            torch.cat([self.kv[0], self.tree_kv[0]], 2),
-            torch.cat([self.kv[1], self.tree_kv[1]], 2),
-        )
-        out, (k, v) = self.head(feats, ids, pos, past, mask[None])
-        self.tree_kv = (k, v) if self.tree_kv is None else (
-            torch.cat([self.tree_kv[0], k], 2), torch.cat([self.tree_kv[1], v], 2))
-        self.tree_nodes += nodes
-        for i, n in enumerate(nodes):
-            self.feat[n] = out[0, i]
+    @staticmethod
+    def _run_nodes(jobs) -> None:
+        """One packed forward over jobs (session, tree, parents, nodes); parents have features.
+
+        A node attends to its session's committed pairs, the earlier tree slots that are its
+        ancestors, and itself."""
+        head = jobs[0][0].head
+        dev = next(head.parameters()).device
+        feats, ids, pos, segs, lo = [], [], [], [], 0
+        for s, tree, parents, nodes in jobs:
+            for n in nodes:
+                s.depth[n] = s.depth[parents[n]] + 1  # parents ran before their children
+            feats.append(torch.stack([s.feat[parents[n]] for n in nodes]))
+            ids.append(tree.tokens[nodes].to(dev))
+            pos.append(torch.tensor([s.length - 1 + s.depth[n] for n in nodes], device=dev))
+            M, T = len(s.tree_nodes), len(nodes)
+            C = s.length - s.start  # committed pairs held in the cache
+            mask = torch.zeros(T, C + M + T, dtype=torch.bool)
+            mask[:, :C] = True
+            slot = {node: j for j, node in enumerate(s.tree_nodes)}
+            for i, n in enumerate(nodes):
+                a = parents[n]
+                while a > 0:
+                    mask[i, C + slot[a]] = True
+                    a = parents[a]
+                mask[i, C + M + i] = True
+            segs.append(Segment(lo, lo + T, s.cache, C + M, mask.to(dev)))
+            lo += T
+        out, _ = head(torch.cat(feats)[None], torch.cat(ids)[None], torch.cat(pos)[None],
+                      packed=segs)
+        for (s, _, _, nodes), seg in zip(jobs, segs, strict=True):
+            s.tree_nodes += nodes
+            for i, n in enumerate(nodes):
+                s.feat[n] = out[0, seg.lo + i]

@@ -174,14 +174,27 @@ def draft_hybrid(root_token: int, expander, spec, index: LookupIndex | None,
                  acceptance_rates=None, device: Device = None) -> HybridTree:
     """The tree `spec` asks for: the head's tree (if any) plus up to spec.lookup lookup nodes
     proposed from `index` (whose history must end with `root_token`; None without lookup)."""
-    from .tree import draft_tree
+    return draft_hybrids([(root_token, expander, index)], spec, acceptance_rates, device)[0]
 
-    if spec.lookup and index.tokens and index.tokens[-1] != int(root_token):
-        raise ValueError(f"lookup history ends with {index.tokens[-1]}, not the root {root_token}")
-    head_tree = (draft_tree(root_token, expander, spec.head_spec, acceptance_rates, device)
-                 if spec.has_head else None)
-    if not spec.lookup:  # the head's tree as drafted (already depth-ordered)
-        sources = torch.full_like(head_tree.tokens, HEAD, dtype=torch.int8)
-        sources[0] = 0
-        return HybridTree(head_tree, sources)
-    return merge_trees(head_tree, root_token, index.propose(spec.lookup), device)
+
+def draft_hybrids(jobs, spec, acceptance_rates=None, device: Device = None) -> list[HybridTree]:
+    """`draft_hybrid` for several (root_token, expander, index) jobs (one per request): the
+    head's trees drafted together (heads.tree.draft_trees: a tree level of every request in one
+    head forward), the lookup chains grafted per request."""
+    from .tree import draft_trees
+
+    for root, _, index in jobs:
+        if spec.lookup and index.tokens and index.tokens[-1] != int(root):
+            raise ValueError(f"lookup history ends with {index.tokens[-1]}, not the root {root}")
+    head_trees = (draft_trees([(root, e) for root, e, _ in jobs], spec.head_spec,
+                              acceptance_rates, device)
+                  if spec.has_head else [None] * len(jobs))
+    out = []
+    for (root, _, index), head_tree in zip(jobs, head_trees, strict=True):
+        if not spec.lookup:  # the head's tree as drafted (already depth-ordered)
+            sources = torch.full_like(head_tree.tokens, HEAD, dtype=torch.int8)
+            sources[0] = 0
+            out.append(HybridTree(head_tree, sources))
+        else:
+            out.append(merge_trees(head_tree, root, index.propose(spec.lookup), device))
+    return out

@@ -539,10 +539,11 @@ def _fixed_parents(spec: TreeSpec, rates: Sequence[Sequence[float]] | None) -> t
     return _static_parents(table, spec.num_nodes)
 
 
-def _draft_fixed(
-    root_token: int, expander: Expander, parents: Sequence[int], device: Device
-) -> DraftTree:
-    """Fill a fixed shape level by level: rank-r child = parent's (r+1)-th most likely token."""
+def _fixed_steps(root_token: int, parents: Sequence[int], device: Device):
+    """Fill a fixed shape level by level: rank-r child = parent's (r+1)-th most likely token.
+
+    A generator (see `draft_trees`): yields (tree so far, nodes to expand, k), receives their
+    top-k (log-probs, tokens) lists, returns the DraftTree."""
     n = len(parents)
     depths, children = [0] * n, [[] for _ in range(n)]
     for i in range(1, n):
@@ -553,23 +554,23 @@ def _draft_fixed(
         created = sum(1 for x in depths if x <= d)  # depth-sorted: levels <= d are a prefix
         level = [i for i in range(created) if depths[i] == d and children[i]]  # no leaves
         tree = _make_tree(tokens[:created], list(parents[:created]), logprobs[:created], device)
-        values, toks = _expand_topk(expander, tree, level, max(len(children[i]) for i in level))
+        values, toks = yield tree, level, max(len(children[i]) for i in level)
         for row, node in enumerate(level):
             for rank, child in enumerate(children[node]):
                 tokens[child], logprobs[child] = toks[row][rank], values[row][rank]
     return _make_tree(tokens, list(parents), logprobs, device)
 
 
-def _draft_dynamic(
-    root_token: int, expander: Expander, spec: TreeSpec, device: Device
-) -> DraftTree:
-    """EAGLE-2: expand the top-k nodes of each level by cumulative log-prob, keep the best NODES."""
+def _dynamic_steps(root_token: int, spec: TreeSpec, device: Device):
+    """EAGLE-2: expand the top-k nodes of each level by cumulative log-prob, keep the best NODES.
+
+    A generator, as `_fixed_steps`."""
     k, budget = spec.topk, spec.num_nodes
     tokens, parents, logprobs, scores = [root_token], [-1], [0.0], [0.0]  # pool, creation order
     frontier = [0]
     for level in range(spec.depth):
         tree = _make_tree(tokens, parents, logprobs, device)
-        values, toks = _expand_topk(expander, tree, frontier, k)
+        values, toks = yield tree, frontier, k
         if max(row[0] for row in values) > 1e-3:
             raise ValueError(
                 "expander returned log-probs > 0: return log_softmax of the draft logits"
@@ -619,10 +620,51 @@ def draft_tree(
 
     paths/static: fixed shape (static from `acceptance_rates`, default DEFAULT_ACCEPTANCE_RATES),
     filled level by level with the top-(rank+1) tokens of each parent's draft distribution.
-    dynamic: EAGLE-2 (see `_draft_dynamic`). One `expander.expand` call per level, leaves never
+    dynamic: EAGLE-2 (see `_dynamic_steps`). One `expander.expand` call per level, leaves never
     expanded. The result is topologically ordered with siblings in draft order, on `device`.
     """
-    root_token = int(root_token)
-    if spec.kind == "dynamic":
-        return _draft_dynamic(root_token, expander, spec, device)
-    return _draft_fixed(root_token, expander, _fixed_parents(spec, acceptance_rates), device)
+    return draft_trees([(root_token, expander)], spec, acceptance_rates, device)[0]
+
+
+def draft_trees(
+    jobs: Sequence[tuple[int, Expander]],
+    spec: TreeSpec,
+    acceptance_rates: Sequence[Sequence[float]] | None = None,
+    device: Device = None,
+) -> list[DraftTree]:
+    """`draft_tree` for several (root_token, expander) pairs (one per request), in lockstep.
+
+    Each level of every tree is one expansion; when all expanders are of one class that offers
+    `expand_topk_many(items)` (EagleSession), a level of ALL trees is one call (one packed head
+    forward and one LM-head matmul for every request of a serving step), else one call each.
+    The trees are those `draft_tree` makes one by one."""
+    steps = []
+    for root, _ in jobs:
+        root = int(root)
+        steps.append(_dynamic_steps(root, spec, device) if spec.kind == "dynamic" else
+                     _fixed_steps(root, _fixed_parents(spec, acceptance_rates), device))
+    out: list[DraftTree | None] = [None] * len(jobs)
+    asks: list[tuple | None] = [None] * len(jobs)
+
+    def advance(i: int, answer) -> None:
+        try:
+            asks[i] = steps[i].send(answer)
+        except StopIteration as stop:
+            out[i], asks[i] = stop.value, None
+
+    for i in range(len(jobs)):
+        advance(i, None)
+    while live := [i for i in range(len(jobs)) if asks[i] is not None]:
+        answers = _expand_many([(jobs[i][1], *asks[i]) for i in live])
+        for i, answer in zip(live, answers, strict=True):
+            advance(i, answer)
+    return out
+
+
+def _expand_many(items: list[tuple]) -> list[tuple[list, list]]:
+    """Top-k (log-probs, tokens) lists per item (expander, tree, nodes, k)."""
+    cls = type(items[0][0])
+    many = getattr(cls, "expand_topk_many", None)
+    if many is None or any(type(e) is not cls for e, *_ in items):
+        return [_expand_topk(*item) for item in items]
+    return [(v.tolist(), t.tolist()) for v, t in many(items)]

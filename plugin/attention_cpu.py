@@ -5,7 +5,9 @@ the whole committed prefix and their own ancestors only, so after the kernel has
 whole batch, the rows of each branching tree are recomputed in torch: K/V of the request's
 prefix and tree are read back from the paged cache (written before attention runs, at
 sequential slots root_pos..root_pos+n) and `scaled_dot_product_attention` runs with the mask
-[ones(prefix) | ancestor_mask]. Chains keep the kernel's causal result.
+[ones(prefix) | ancestor_mask]. All trees of a step run as ONE padded batch per layer
+(`TreeBatch`, built once per step): one gather, one SDPA and one scatter per layer, whatever
+the number of requests. Chains keep the kernel's causal result.
 
 The cache interior depends on the kernel ISA; only the `vec` layout is read here (per block and
 KV head: K transposed [D, block], then V [block, D]), so tree mode forces `vec` where vLLM
@@ -99,20 +101,55 @@ class TreeCPUAttentionBackendImpl(CPUAttentionBackendImpl):
                 "treedraft tree attention supports plain causal decoder attention only (no "
                 "alibi, sliding window, soft cap or sinks); use a chain tree ('chain:K')"
             )
+        if not trees:
+            return out
         t0 = time.perf_counter()
-        for t in trees:
-            # query/output rows t.qs .. t.qs+size-1 are the tree; keys: prefix + tree slots
-            k, v = gather_kv(kv_cache, attn_metadata.block_table[t.req_index],
-                             t.root_pos + t.size)
-            q = query[t.qs : t.qs + t.size].reshape(t.size, self.num_heads, self.head_size)
-            q = q.transpose(0, 1)  # [Hq, m, D]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=t.mask, scale=self.scale,
-                                               enable_gqa=True)  # [Hq, m, D]
-            rows = output[t.qs : t.qs + t.size]
-            rows.copy_(o.transpose(0, 1).reshape(rows.shape))
-        if trees:
-            step.attention_seconds += time.perf_counter() - t0
+        batch = step.batch(attn_metadata.block_table, kv_cache.shape[2])
+        k, v = batch.gather(kv_cache)  # [B, Hkv, S, D] every tree's prefix + tree slots
+        q = query.reshape(query.shape[0], self.num_heads, self.head_size)[batch.q_rows]
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=batch.mask,
+                                           scale=self.scale, enable_gqa=True)  # [B, Hq, m, D]
+        o = o.transpose(1, 2)[batch.row_valid]  # [rows of all trees, Hq, D]
+        output.index_copy_(0, batch.out_rows, o.reshape(-1, *output.shape[1:]).to(output.dtype))
+        step.attention_seconds += time.perf_counter() - t0
         return out
+
+
+class TreeBatch:
+    """Every branching tree of a step as one padded batch for ONE attention call per layer
+    (instead of a gather, an SDPA and a copy per tree and layer): built once per step, used by
+    every layer. B trees, m = the largest tree, S = the longest prefix + tree."""
+
+    def __init__(self, trees, block_table: torch.Tensor, block_size: int) -> None:
+        B, m = len(trees), max(t.size for t in trees)
+        S = max(t.root_pos + t.size for t in trees)
+        nblk = (S + block_size - 1) // block_size
+        idx = torch.tensor([t.req_index for t in trees])
+        self.blocks = block_table[idx, :nblk].long()  # [B, nblk]; columns past a request's
+        # own blocks point anywhere: those slots are masked, and zeroed (garbage may be NaN)
+        self.S = S
+        self.mask = torch.zeros(B, 1, m, S, dtype=torch.bool)
+        self.kv_valid = torch.zeros(B, 1, S, 1, dtype=torch.bool)
+        self.q_rows = torch.zeros(B, m, dtype=torch.long)
+        self.row_valid = torch.zeros(B, m, dtype=torch.bool)
+        for b, t in enumerate(trees):
+            n = t.root_pos + t.size
+            self.mask[b, 0, : t.size, :n] = t.mask
+            self.mask[b, 0, t.size :, 0] = True  # padding rows: any finite result, dropped
+            self.kv_valid[b, 0, :n] = True
+            self.q_rows[b] = t.qs + torch.arange(m).clamp(max=t.size - 1)
+            self.row_valid[b, : t.size] = True
+        self.out_rows = self.q_rows[self.row_valid]  # output rows, in o[row_valid] order
+
+    def gather(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [B, Hkv, S, D] of slots 0..S-1 of each tree's request (vec layout), zero where
+        a slot is past the request's prefix + tree."""
+        kc, vc = vec_views(kv_cache)  # [nb, Hkv, D, bs], [nb, Hkv, bs, D]
+        B, nblk = self.blocks.shape
+        h, d, bs = kc.shape[1], kc.shape[2], kc.shape[3]
+        k = kc[self.blocks].permute(0, 2, 1, 4, 3).reshape(B, h, nblk * bs, d)[:, :, : self.S]
+        v = vc[self.blocks].permute(0, 2, 1, 3, 4).reshape(B, h, nblk * bs, d)[:, :, : self.S]
+        return k.masked_fill(~self.kv_valid, 0), v.masked_fill(~self.kv_valid, 0)
 
 
 class TreeCPUAttentionBackend(CPUAttentionBackend):

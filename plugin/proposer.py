@@ -9,6 +9,10 @@ Per request and step (rows are this step's scheduled tokens, starting at positio
 - commit the pairs (target features of row j, token at position c+j+1) for every row whose next
   token is now known: all rows of a prefill chunk, root + accepted drafts of a decode step;
 - draft a tree (or chain) below the last sampled token and return its tokens in node order.
+Both run batched across the step's requests: all commits in one packed head forward, each
+tree level of all requests in one more (`EagleSession.commit_many`/`expand_topk_many` through
+`heads.common.commit_sessions` and `heads.lookup.draft_hybrids`); attention stays per request,
+against that request's own in-place head KV cache.
   Chains of requests that sample (T > 0) draw each token from the head's distribution q under
   the request's temperature/top-k/top-p (`heads.sampling.draft_chain`) and hand q to vLLM's
   rejection sampler as draft probabilities (`last_draft_probs`); greedy requests and trees draft
@@ -31,7 +35,8 @@ import os
 import torch
 from vllm.logger import init_logger
 
-from treedraft.heads.lookup import SOURCES, LookupIndex, accepted_by_source, draft_hybrid
+from treedraft.heads.common import commit_sessions
+from treedraft.heads.lookup import SOURCES, LookupIndex, accepted_by_source, draft_hybrids
 from treedraft.heads.sampling import draft_chain
 from treedraft.heads.tree import DraftTree, parse_tree_spec
 
@@ -148,7 +153,7 @@ class TreeDraftProposer:
         # vLLM's runner keeps a request's state while it lives (running, left out of a step by
         # the token budget, or preempted) and drops it when it finishes: so do we. A request
         # left out of this batch keeps its session and tree; a preempted one rewinds its session
-        # to what vLLM recomputes (`_commit`), so its head context is rebuilt, not lost.
+        # to what vLLM recomputes (`_commit_item`), so its head context is rebuilt, not lost.
         live = set(runner.requests)
         if accepted and self.source_stats is not None:
             self._count_sources(accepted)
@@ -161,39 +166,49 @@ class TreeDraftProposer:
             self.source_stats.set_live(len({*self.sessions, *self.lookups, *self.trees}))
         budget = getattr(scheduler_output, "num_spec_tokens_to_schedule", None)
         budget = self.spec.max_nodes if budget is None else min(budget, self.spec.max_nodes)
-        drafts, probs = [], {}  # probs: row -> q [K, V] of sampled chains
+        # 1. every request's known pairs go to its head session: one packed head forward
+        work, commits = [], []  # work: (i, req_id, sampled, session) of scheduled requests
         for i, req_id in enumerate(ib.req_ids):
-            sampled = sampled_token_ids[i]
             n = scheduler_output.num_scheduled_tokens.get(req_id, 0)
             if n == 0:
-                drafts.append([])
                 continue
-            session = None if self.head is None else self._commit(
-                runner, scheduler_output, i, req_id, n, sampled, hidden_states,
-                aux_hidden_states, accepted)
+            session = None
+            if self.head is not None:
+                session, feats, tokens = self._commit_item(
+                    runner, scheduler_output, i, req_id, n, sampled_token_ids[i], hidden_states,
+                    aux_hidden_states, accepted)
+                commits.append((session, feats, tokens))
+            work.append((i, req_id, sampled_token_ids[i], session))
+        commit_sessions(commits)
+        # 2. drafts: sampled chains per request; trees (and greedy chains) of all requests
+        # together, a tree level of every request in one head forward (heads.lookup.draft_hybrids)
+        drafts: list[list[int]] = [[] for _ in ib.req_ids]
+        probs = {}  # row -> q [K, V] of sampled chains
+        spec = self.spec_for(budget) if budget else self.spec
+        jobs = []  # (i, req_id, root, session, lookup index)
+        for i, req_id, sampled, session in work:
             if not sampled or budget == 0 or (self.tree_mode
                                               and request_unsupported(runner, req_id)):
-                drafts.append([])  # partial prefill chunk, no budget, or params trees cannot honour
-                self.trees.pop(req_id, None)
-                self.sources.pop(req_id, None)
+                self.trees.pop(req_id, None)  # partial prefill chunk, no budget, or params
+                self.sources.pop(req_id, None)  # trees cannot honour: no draft
                 continue
-            spec = self.spec_for(budget)
             params = None if self.tree_mode else self._sampled_params(runner, req_id)
             if params is not None:
                 # a seeded request draws its drafts from its own generator (reproducible)
                 chain, probs[i] = draft_chain(sampled[-1], session, spec.max_nodes, params,
                                               ib.generators.get(i))
-                drafts.append(chain.tokens[1:].tolist())
+                drafts[i] = chain.tokens[1:].tolist()
                 continue
             index = None
             if spec.lookup:
                 index = self.lookups.setdefault(req_id, LookupIndex())
                 index.sync(ib.token_ids_cpu[i, : ib.num_tokens_no_spec[i]])  # a view: O(new)
-            hybrid = draft_hybrid(sampled[-1], session, spec, index, self.rates,
-                                  device=hidden_states.device)
-            tree, self.sources[req_id] = hybrid.tree, hybrid.sources
-            self.trees[req_id] = tree  # make_request keeps the scheduled prefix
-            drafts.append(tree.tokens[1 : budget + 1].tolist())
+            jobs.append((i, req_id, sampled[-1], session, index))
+        hybrids = draft_hybrids([(root, session, index) for _, _, root, session, index in jobs],
+                                spec, self.rates, device=hidden_states.device) if jobs else []
+        for (i, req_id, *_), hybrid in zip(jobs, hybrids, strict=True):
+            self.trees[req_id], self.sources[req_id] = hybrid.tree, hybrid.sources
+            drafts[i] = hybrid.tree.tokens[1 : budget + 1].tolist()  # make_request keeps these
         self.last_draft_probs = self._draft_probs(runner, drafts, probs) if probs else None
         if probs:
             logger.info_once(
@@ -212,9 +227,10 @@ class TreeDraftProposer:
                 total[k] += v
         self.source_stats.add(total)
 
-    def _commit(self, runner, scheduler_output, i: int, req_id: str, n: int, sampled,
-                hidden_states, aux_hidden_states, accepted):
-        """Feed the head this step's known pairs (features, next token); its session."""
+    def _commit_item(self, runner, scheduler_output, i: int, req_id: str, n: int, sampled,
+                     hidden_states, aux_hidden_states, accepted):
+        """(session, features, next tokens) of this step's known pairs of one request, its
+        session rewound to where they start (vLLM's computed tokens)."""
         ib = runner.input_batch
         qs, c = int(runner.query_start_loc.np[i]), int(ib.num_computed_tokens_cpu[i])
         nodes = (accepted or {}).get(req_id)
@@ -231,8 +247,7 @@ class TreeDraftProposer:
         session.rewind(c)
         feats = self.features(hidden_states, aux_hidden_states,
                               torch.tensor(rows, device=hidden_states.device))
-        session.commit(feats, tokens.long())
-        return session
+        return session, feats, tokens.long()
 
     def _sampled_params(self, runner, req_id: str):
         """heads SamplingParams of a request that samples (T > 0), else None (greedy)."""

@@ -42,10 +42,21 @@ class TreeStep:
     attention_seconds: float = 0.0  # torch tree attention of this step, all layers (profile)
     compaction_seconds: float = 0.0  # accepted-path K/V moves of this step (profile)
 
+    _batch: tuple | None = field(default=None, repr=False)  # (block table, TreeBatch)
+
     @property
     def trees(self) -> list[TreeRequest]:
         """Requests whose drafts branch (need the ancestor mask and tree positions)."""
         return [r for r in self.requests.values() if not r.is_chain]
+
+    def batch(self, block_table: torch.Tensor, block_size: int):
+        """The step's trees as one attention batch (plugin/attention_cpu.TreeBatch), built by
+        the first layer and shared by the others (same block table)."""
+        if self._batch is None or self._batch[0] is not block_table:
+            from treedraft.plugin.attention_cpu import TreeBatch
+
+            self._batch = (block_table, TreeBatch(self.trees, block_table, block_size))
+        return self._batch[1]
 
 
 STEP_ATTR = "_treedraft_step"  # runner attribute: the TreeStep being executed, or None

@@ -32,7 +32,8 @@ KINDS = ("chat", "chat_stream", "completion", "completion_stream", "logprobs", "
          "short", "seeded", "n2", "near_max_len", "disconnect")
 WORDS = ("the sea river code list prime number function return value city capital France "
          "Paris write explain why how small model token tree draft verify").split()
-SPEC = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")
+SPEC = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens",
+        "vllm:num_preemptions")  # counters: their change during the load is reported
 
 
 NEAR_MAX_ROOM = 96  # tokens left for the chat template and the reply of near_max_len requests
@@ -209,13 +210,21 @@ async def _run(args, reqs: list[dict]) -> list[dict]:
     results: list[dict] = []
     deadline = time.perf_counter() + args.time_limit
 
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(reqs), desc=f"load {args.url}", unit="req", file=sys.stderr,
+               disable=None)  # off where stderr is not a terminal and CI logs would fill
+
     async def client_loop(client):
         while not queue.empty() and time.perf_counter() < deadline:
             results.append(await _one(client, args.url, args.model, queue.get_nowait()))
+            bar.update(1)
+            bar.set_postfix(errors=sum("error" in r for r in results), refresh=False)
 
     timeout = httpx.Timeout(args.time_limit)
     async with httpx.AsyncClient(timeout=timeout) as client:
         await asyncio.gather(*(client_loop(client) for _ in range(args.clients)))
+    bar.close()
     return sorted(results, key=lambda r: r["id"])
 
 
@@ -231,6 +240,7 @@ def report(args, results: list[dict], wall: float, before: dict, after: dict,
                                                                ("p99", .99))},
             "completion_tokens_per_s": sum(r.get("tokens", 0) for r in results) / wall,
             "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+            "preemptions": after[SPEC[2]] - before[SPEC[2]],
             "server_rss_mib": {"before": rss[0], "after": rss[1]},
             "greedy": {str(r["id"]): r.get("text") for r in results
                        if r.get("greedy") and "error" not in r}}
@@ -279,6 +289,7 @@ def run(args: argparse.Namespace) -> int:
     httpx.get(args.url + "/health", timeout=30).raise_for_status()  # the server is still up
     after = _metrics(args.url)
     rep = report(args, results, wall, before, after, (rss0, _rss_mib(args.server_pid)))
+    rep["planned"] = len(reqs)  # fewer answered: the time limit cut the load short
     rep["after_drain"] = drained(args.url, args.model)
     if args.compare is not None:
         rep["differs_from_compare"] = compare(rep, json.loads(args.compare.read_text()))
@@ -286,7 +297,10 @@ def run(args: argparse.Namespace) -> int:
     if args.out is not None:
         args.out.write_text(text)
     print(json.dumps({k: v for k, v in rep.items() if k != "greedy"}, indent=1))
-    bad = rep["num_errors"] or rep.get("differs_from_compare")
+    if rep["requests"] < rep["planned"]:
+        print(f"treedraft load: only {rep['requests']} of {rep['planned']} requests ran within "
+              f"--time-limit {args.time_limit:g} s; raise it", file=sys.stderr)
+    bad = rep["num_errors"] or rep.get("differs_from_compare") or rep["requests"] < rep["planned"]
     return 1 if bad else 0
 
 

@@ -250,7 +250,7 @@ def test_eagle_tree_expansion_equals_chains(layout):
     assert got[0].shape == (V,) and torch.allclose(got[0].exp().sum(), torch.tensor(1.0))
 
     sess.commit(prefix_h[:1], prefix_tok[:1])  # a new commit discards the tree's KVs
-    assert sess.tree_kv is None and sess.length == 7
+    assert sess.tree_nodes == [] and sess.length == 7
     with pytest.raises(ValueError, match="root token"):
         sess.expand(Tree(torch.tensor([(int(prefix_tok[0]) + 1) % V]), torch.tensor([-1])), [0])
 
@@ -273,11 +273,55 @@ def test_eagle_rewind_rolls_back_and_skips_gaps():
     gap.commit(h[:2], tok[:2])
     gap.rewind(20)
     gap.commit(h[2:], tok[2:])
-    assert gap.length == 26 and gap.kv[0].shape[2] == 6
+    assert gap.length == 26 and gap.length - gap.start == 6  # 6 pairs held
     tree = Tree(torch.cat([tok[-1:], tok[:3]]), torch.tensor([-1, 0, 0, 1]))
     assert gap.expand(tree, [0]).shape == (1, V) and gap.expand(tree, [1, 2]).shape == (2, V)
     gap.rewind(20)  # back to the first kept pair: no context left
-    assert gap.kv is None and gap.length == 20
+    assert gap.start == gap.length == 20
+
+
+@pytest.mark.parametrize("layout", ["eagle1", "eagle3"])
+def test_sessions_draft_together_as_one_by_one(layout):
+    """Batched drafting (serving: one packed head forward per tree level for all requests)
+    makes the trees and features that sessions make one by one: different context lengths,
+    commit sizes, a rewound and a gapped session, chain, static and dynamic trees."""
+    from treedraft.heads.eagle import EagleSession
+    from treedraft.heads.tree import draft_trees
+
+    head = make_eagle(layout=layout)
+    g = torch.Generator().manual_seed(11)
+    h, tok = torch.randn(40, H, generator=g), torch.randint(0, V, (40,), generator=g)
+    cuts = [(0, 3), (0, 17), (5, 9), (2, 40)]
+
+    def sessions():
+        out = []
+        for lo, hi in cuts:
+            s = head.draft_session()
+            s.commit(h[lo:hi], tok[lo:hi])
+            out.append(s)
+        out[2].rewind(2)  # a rollback
+        out[3].rewind(60)  # a gap: no context
+        return out
+
+    alone, together = sessions(), sessions()
+    news = [(h[30:31], tok[30:31]), (h[20:24], tok[20:24]), (h[9:12], tok[9:12]),
+            (h[1:3], tok[1:3])]
+    for s, (hh, tt) in zip(alone, news, strict=True):
+        s.commit(hh, tt)
+    EagleSession.commit_many([(s, hh, tt) for s, (hh, tt) in zip(together, news, strict=True)])
+    for a, b in zip(alone, together, strict=True):
+        assert a.length == b.length and a.last_token == b.last_token
+        torch.testing.assert_close(a.root_feature, b.root_feature, rtol=0, atol=1e-5)
+    for spec in ("chain:4", "static:9", "dynamic:12,3,4", "dynamic:6,2,5"):
+        spec = parse_tree_spec(spec)
+        one = [draft_tree(s.last_token, s, spec) for s in alone]
+        many = draft_trees([(s.last_token, s) for s in together], spec)
+        for x, y in zip(one, many, strict=True):
+            assert x.tokens.tolist() == y.tokens.tolist() and x.parents.tolist() == y.parents.tolist()
+            torch.testing.assert_close(x.logprobs, y.logprobs, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="same head"):
+        EagleSession.commit_many([(alone[0], h[:1], tok[:1]),
+                                  (make_eagle(layout=layout).draft_session(), h[:1], tok[:1])])
 
 
 def test_medusa_shapes_and_depth_limit():

@@ -141,6 +141,9 @@ def _impl_and_cache(Hq=9, Hkv=3, D=64, nb=16, bs=32):
 
 
 def test_tree_rows_attend_to_prefix_and_ancestors_only():
+    """Chains keep the kernel's causal rows; every tree's rows (two trees of different prefix and
+    tree sizes, attended as one padded batch) see their prefix and ancestors only, whatever the
+    unused cache slots hold (NaN here)."""
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
 
@@ -150,14 +153,15 @@ def test_tree_rows_attend_to_prefix_and_ancestors_only():
     torch.manual_seed(0)
     Hq, Hkv, D, bs = 9, 3, 64, 32
     impl, kv, layer = _impl_and_cache(Hq, Hkv, D, bs=bs)
-    # request 0: a chain of 3 drafts at root position 40; request 1: a tree at root position 70
-    parents = [-1, 0, 0, 1, 2, 1, 3]
-    P = [40, 70]
-    n_rows = [4, len(parents)]
-    blocks = [torch.tensor([5, 2]), torch.tensor([7, 1, 9])]
-    block_table = torch.zeros(2, 4, dtype=torch.int32)
+    # request 0: a chain of 3 drafts at root position 40; requests 1, 2: trees at 70 and 20
+    trees = {1: [-1, 0, 0, 1, 2, 1, 3], 2: [-1, 0, 0, 2]}
+    P = [40, 70, 20]
+    n_rows = [4, len(trees[1]), len(trees[2])]
+    blocks = [torch.tensor([5, 2]), torch.tensor([7, 1, 9]), torch.tensor([4])]
+    kv[[0, 3, 6, 8]] = float("nan")  # blocks of no request (the block table's padding: 0)
+    block_table = torch.zeros(3, 4, dtype=torch.int32)
     K, V, slots_all = [], [], []
-    for r in range(2):
+    for r in range(3):
         block_table[r, : len(blocks[r])] = blocks[r].int()
         L = P[r] + n_rows[r]
         pos = torch.arange(L)
@@ -167,22 +171,26 @@ def test_tree_rows_attend_to_prefix_and_ancestors_only():
         impl.do_kv_cache_update(layer, K[r], V[r], kv, slots)
         slots_all.append(slots)
     q = torch.randn(sum(n_rows), Hq, D)
-    qsl = torch.tensor([0, n_rows[0], sum(n_rows)], dtype=torch.int32)
-    seq_lens = torch.tensor([P[0] + n_rows[0], P[1] + n_rows[1]], dtype=torch.int32)
+    qs = [0, n_rows[0], n_rows[0] + n_rows[1]]
+    qsl = torch.tensor([*qs, sum(n_rows)], dtype=torch.int32)
+    seq_lens = torch.tensor([P[r] + n_rows[r] for r in range(3)], dtype=torch.int32)
     md = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=2, num_heads=Hq, num_kv_heads=Hkv, head_dim=D, seq_lens=seq_lens,
+        num_reqs=3, num_heads=Hq, num_kv_heads=Hkv, head_dim=D, seq_lens=seq_lens,
         dtype=torch.float32, query_start_loc=qsl, causal=True, sliding_window_size=-1,
         isa="vec", enable_kv_split=False)
     meta = CPUAttentionMetadata(num_actual_tokens=sum(n_rows), max_query_len=max(n_rows),
                                 query_start_loc=qsl, max_seq_len=int(seq_lens.max()),
                                 seq_lens=seq_lens, block_table=block_table,
                                 slot_mapping=torch.cat(slots_all), scheduler_metadata=md)
-    tree = DraftTree(torch.arange(len(parents)), torch.tensor(parents), torch.zeros(len(parents)))
     step = tree_step.TreeStep(sum(n_rows))
     step.requests[0] = tree_step.make_request(0, "a", 0, P[0], 11, [1, 2, 3], None)
-    step.requests[1] = tree_step.make_request(1, "b", n_rows[0], P[1], 0,
-                                              list(range(1, len(parents))), tree)
-    assert step.requests[0].is_chain and not step.requests[1].is_chain
+    for r, parents in trees.items():
+        tree = DraftTree(torch.arange(len(parents)), torch.tensor(parents),
+                         torch.zeros(len(parents)))
+        step.requests[r] = tree_step.make_request(r, str(r), qs[r], P[r], 0,
+                                                  list(range(1, len(parents))), tree)
+        assert not step.requests[r].is_chain
+    assert step.requests[0].is_chain
 
     causal = impl.forward(layer, q, None, None, kv, meta, torch.zeros_like(q)).clone()
     tree_step.attach({"layer": meta}, tree_step.TreeStep(sum(n_rows) + 1))  # another forward's
@@ -190,16 +198,19 @@ def test_tree_rows_attend_to_prefix_and_ancestors_only():
     tree_step.attach({"layer": meta}, step)  # what the runner does for this step's metadata
     out = impl.forward(layer, q, None, None, kv, meta, torch.zeros_like(q))
     assert torch.equal(out[: n_rows[0]], causal[: n_rows[0]])  # chains keep the C++ result
-    anc = {0: [0]}
-    for i in range(1, len(parents)):
-        anc[i] = anc[parents[i]] + [i]
-    for i in range(len(parents)):  # node i: keys of the prefix and of its ancestors
-        keys = list(range(P[1])) + [P[1] + a for a in anc[i]]
-        ref = F.scaled_dot_product_attention(
-            q[n_rows[0] + i][:, None], K[1][keys].transpose(0, 1), V[1][keys].transpose(0, 1),
-            scale=D**-0.5, enable_gqa=True)[:, 0]
-        torch.testing.assert_close(out[n_rows[0] + i], ref, atol=2e-5, rtol=1e-4)
-    assert not torch.allclose(out[n_rows[0] + 2], causal[n_rows[0] + 2])  # the mask mattered
+    assert not out.isnan().any()
+    for r, parents in trees.items():
+        anc = {0: [0]}
+        for i in range(1, len(parents)):
+            anc[i] = anc[parents[i]] + [i]
+        for i in range(len(parents)):  # node i: keys of the prefix and of its ancestors
+            keys = list(range(P[r])) + [P[r] + a for a in anc[i]]
+            ref = F.scaled_dot_product_attention(
+                q[qs[r] + i][:, None], K[r][keys].transpose(0, 1), V[r][keys].transpose(0, 1),
+                scale=D**-0.5, enable_gqa=True)[:, 0]
+            torch.testing.assert_close(out[qs[r] + i], ref, atol=2e-5, rtol=1e-4)
+    assert not torch.allclose(out[qs[1] + 2], causal[qs[1] + 2])  # the mask mattered
+    assert not torch.allclose(out[qs[2] + 3], causal[qs[2] + 3])
 
 
 def test_copy_slots_moves_accepted_kv_to_sequential_slots():
