@@ -438,8 +438,9 @@ class EagleSession:
             ids.append(tokens.to(p.device))
             pos.append(torch.arange(s.length, s.length + T, device=p.device))
             # causal: pair i sees the committed pairs and pairs 0..i of this commit
-            mask = (None if T == 1 else
-                    torch.ones(T, C + T, dtype=torch.bool, device=p.device).tril(diagonal=C))
+            mask = None if T == 1 else (  # [T, C+T]: slot j <= C + i
+                torch.arange(C + T, device=p.device)[None]
+                <= torch.arange(C, C + T, device=p.device)[:, None])
             segs.append(Segment(lo, lo + T, s.cache, C, mask))
             lo += T
         feats = head.project(torch.cat(hidden))[None]  # [1, N, H]

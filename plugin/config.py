@@ -17,7 +17,9 @@ its own) or ``method`` is ``"treedraft"``:
 - ``additional_config["treedraft"]`` carries head dir, head type and tree to every process.
 
 Tree shape: ``tree`` if given, else ``chain:num_speculative_tokens`` if that is given, else the
-head's ``default_tree``. Chains are verified by vLLM's own rejection sampler; branching trees by
+head's ``default_tree``. ``"auto"`` (or ``"auto:SPEC"``) drafts at most that tree (or SPEC) and
+lets the proposer choose each step's node budget, down to 0, from measured step cost
+(heads/cost.py). Chains are verified by vLLM's own rejection sampler; branching trees by
 treedraft's tree verifier. Prompt lookup needs no head: ``{"method": "treedraft", "tree":
 "lookup:N"}`` drafts from each request's own history alone, and ``"+lookup:N"`` after a head's
 tree grafts lookup branches into it.
@@ -95,14 +97,25 @@ def target_signature(model_config) -> Any:
     )
 
 
-def resolve_tree(sc: dict, head_config: dict) -> Any:
-    """The TreeSpec asked for by the popped `tree` key / num_speculative_tokens / head default."""
+AUTO = "auto"  # "tree": "auto" or "auto:SPEC": the node budget chosen per step (heads/cost.py)
+
+
+def resolve_tree(sc: dict, head_config: dict) -> tuple[Any, bool]:
+    """(TreeSpec, auto) asked for by the popped `tree` key / num_speculative_tokens / head
+    default. "auto" drafts at most the head's default tree (or chain:num_speculative_tokens),
+    "auto:SPEC" at most SPEC, each step's budget chosen from measured cost."""
     from treedraft.heads.tree import parse_tree_spec
 
     tree = sc.pop("tree", None)
     k = sc.get("num_speculative_tokens")
     if isinstance(tree, list):  # JSON paths given inline
         tree = json.dumps(tree)
+    auto = isinstance(tree, str) and tree.strip().startswith(AUTO)
+    if auto:
+        rest = tree.strip()[len(AUTO):].strip()
+        if rest and not rest.startswith(":"):
+            raise ValueError(f"--speculative-config: tree {tree!r}: write 'auto' or 'auto:SPEC'")
+        tree = rest[1:].strip() or None
     if tree is None:
         tree = f"chain:{k}" if k is not None else head_config.get("default_tree", "chain:5")
     spec = parse_tree_spec(tree)
@@ -112,7 +125,10 @@ def resolve_tree(sc: dict, head_config: dict) -> Any:
             f"{spec.to_string()!r}, which has {spec.max_nodes} nodes; drop num_speculative_tokens "
             f"(the tree sets it) or set it to {spec.max_nodes}"
         )
-    return spec
+    if auto and not spec.has_head:
+        raise ValueError(f"--speculative-config: 'auto' chooses the head's tree size; "
+                         f"{spec.to_string()!r} has no head part")
+    return spec, auto
 
 
 def rewrite(engine_args, target_model_config) -> None:
@@ -146,7 +162,7 @@ def rewrite(engine_args, target_model_config) -> None:
         )
     if speculators:  # default tree: ours if we exported it, else the folder's own chain length
         head_config = {"default_tree": default_tree(head_config)}
-    spec = resolve_tree(sc, head_config)
+    spec, auto = resolve_tree(sc, head_config)
     if not spec.has_head:
         raise ValueError(
             f"--speculative-config: tree {spec.to_string()!r} drafts by prompt lookup alone, "
@@ -174,7 +190,8 @@ def rewrite(engine_args, target_model_config) -> None:
             )
     _check_platform(spec)
     _check_target(spec, target_model_config)
-    _finish(engine_args, sc, spec, {"head_dir": str(head_dir), "head_type": head.head_type})
+    _finish(engine_args, sc, spec, {"head_dir": str(head_dir), "head_type": head.head_type,
+                                    "auto": auto})
 
 
 def _rewrite_lookup_only(engine_args, sc: dict, target_model_config) -> None:

@@ -31,6 +31,7 @@ nothing is drafted (the head still reads the step's hidden states, so it keeps i
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 from vllm.logger import init_logger
@@ -38,7 +39,7 @@ from vllm.logger import init_logger
 from treedraft.heads.common import commit_sessions
 from treedraft.heads.lookup import SOURCES, LookupIndex, accepted_by_source, draft_hybrids
 from treedraft.heads.sampling import draft_chain
-from treedraft.heads.tree import DraftTree, parse_tree_spec
+from treedraft.heads.tree import MAX_TREE_DEPTH, DraftTree, parse_tree_spec
 
 from .config import KEY
 from .sampler import request_unsupported
@@ -59,6 +60,74 @@ def target_weights(model, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return embed[:vocab_size], lm_head[:vocab_size]
 
 
+class AutoBudget:
+    """`"tree": "auto"`: each step's node budget from the engine's measured step cost
+    (heads.cost: online model, expected tokens per budget from the head's acceptance rates).
+    Every EXPLORE-th step with drafting requests drafts the next larger budget than the chosen
+    one, so the model keeps seeing what drafting costs even while it chooses none (a small
+    detour: at most 1/EXPLORE of the steps, one budget step up)."""
+
+    EXPLORE = 16
+
+    def __init__(self, spec) -> None:
+        from treedraft.heads.cost import StepCostModel
+
+        self.spec = spec
+        self.model = StepCostModel()
+        self.lengths: dict[int, float] = {0: 1.0, spec.max_nodes: 1.0}
+        self._specs: dict[int, object] = {}
+        self._last_end: float | None = None
+        self._steps = 0
+        self._logged: tuple[int, int] | None = None
+        self._log_at = 0.0
+
+    def set_rates(self, rates) -> None:
+        from treedraft.heads.cost import expected_lengths
+        from treedraft.heads.tree import DEFAULT_ACCEPTANCE_RATES
+
+        self.lengths = expected_lengths(rates or DEFAULT_ACCEPTANCE_RATES, self.spec.head_nodes,
+                                        chain=self.spec.head_spec.is_chain)
+        self.lengths[self.spec.max_nodes] = max(self.lengths.values())  # + lookup nodes
+
+    def choose(self, batch: int) -> int:
+        from treedraft.heads.cost import best_budget
+
+        self._steps += 1
+        n = best_budget(self.model, batch, self.lengths)
+        if n < self.spec.max_nodes and self._steps % self.EXPLORE == 0:
+            return min(b for b in self.lengths if b > n)  # exploration
+        now = time.monotonic()
+        if (batch, n) != self._logged and now - self._log_at > 10:
+            a, b, c = self.model.fit() or (0.0, 0.0, 0.0)
+            logger.info("treedraft auto: %d drafting requests -> %d nodes each (expected %.2f "
+                        "tokens per request-step; step ~ %.1f ms + %.2f ms/row + %.2f ms/node, "
+                        "%d steps measured)", batch, n, self.lengths[n], 1e3 * a, 1e3 * b,
+                        1e3 * c, len(self.model.samples))
+            self._logged, self._log_at = (batch, n), now
+        return n
+
+    def spec_for(self, n: int):
+        """The spec to draft with at budget n: the full spec, or one of n nodes of its kind
+        (no lookup part)."""
+        if n >= self.spec.max_nodes:
+            return self.spec
+        if n not in self._specs:
+            s, m = self.spec, min(n, self.spec.head_nodes)
+            text = (f"dynamic:{m},{min(s.depth, m)},{min(s.topk, m)}" if s.kind == "dynamic"
+                    else f"chain:{min(m, MAX_TREE_DEPTH)}" if s.head_spec.is_chain
+                    else f"static:{m}")
+            self._specs[n] = parse_tree_spec(text)
+        return self._specs[n]
+
+    def step_done(self, rows: int, drafted: int) -> None:
+        """The step that ends now: from the previous step's end, with `rows` target rows and
+        `drafted` nodes proposed (idle gaps are dropped by the model as outliers)."""
+        now = time.perf_counter()
+        if self._last_end is not None and now - self._last_end < 30:
+            self.model.add(rows, drafted, now - self._last_end)
+        self._last_end = now
+
+
 def _tp_rank0() -> bool:
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
@@ -74,6 +143,7 @@ class TreeDraftProposer:
         self.head_dir = td.get("head_dir")  # None: 'lookup:N' alone, no head
         self.spec = parse_tree_spec(td["tree"])
         self._chains: dict[int, object] = {}  # budget -> chain spec (shorter chains)
+        self.auto = AutoBudget(self.spec) if td.get("auto") else None  # "tree": "auto"
         self.tree_mode = not self.spec.is_chain  # chains: vLLM's rejection sampler verifies
         self.num_layers = vllm_config.model_config.hf_text_config.num_hidden_layers
         self.head = None
@@ -107,6 +177,8 @@ class TreeDraftProposer:
         use_vllm_gemm(head)  # CPU bf16: vLLM's packed GEMM kernels for the head's linears
         self.head = head
         self.rates = getattr(head.config, "acceptance_rates", None)
+        if self.auto is not None:
+            self.auto.set_rates(self.rates)
 
     def propose(self, *args, **kwargs):
         raise RuntimeError(
@@ -184,14 +256,21 @@ class TreeDraftProposer:
         # together, a tree level of every request in one head forward (heads.lookup.draft_hybrids)
         drafts: list[list[int]] = [[] for _ in ib.req_ids]
         probs = {}  # row -> q [K, V] of sampled chains
-        spec = self.spec_for(budget) if budget else self.spec
-        jobs = []  # (i, req_id, root, session, lookup index)
-        for i, req_id, sampled, session in work:
+        eligible = []
+        for item in work:
+            i, req_id, sampled, session = item
             if not sampled or budget == 0 or (self.tree_mode
                                               and request_unsupported(runner, req_id)):
                 self.trees.pop(req_id, None)  # partial prefill chunk, no budget, or params
                 self.sources.pop(req_id, None)  # trees cannot honour: no draft
                 continue
+            eligible.append(item)
+        if self.auto is not None and eligible:
+            budget = min(budget, self.auto.choose(len(eligible)))
+        spec = (self.auto.spec_for(budget) if self.auto is not None else self.spec_for(budget)
+                ) if budget else self.spec
+        jobs = []  # (i, req_id, root, session, lookup index)
+        for i, req_id, sampled, session in eligible if budget else ():
             params = None if self.tree_mode else self._sampled_params(runner, req_id)
             if params is not None:
                 # a seeded request draws its drafts from its own generator (reproducible)
@@ -209,6 +288,12 @@ class TreeDraftProposer:
         for (i, req_id, *_), hybrid in zip(jobs, hybrids, strict=True):
             self.trees[req_id], self.sources[req_id] = hybrid.tree, hybrid.sources
             drafts[i] = hybrid.tree.tokens[1 : budget + 1].tolist()  # make_request keeps these
+        for i, *_ in (eligible if not budget else ()):
+            self.trees.pop(ib.req_ids[i], None)  # auto chose no drafts this step
+            self.sources.pop(ib.req_ids[i], None)
+        if self.auto is not None:
+            self.auto.step_done(scheduler_output.total_num_scheduled_tokens,
+                                sum(len(d) for d in drafts))
         self.last_draft_probs = self._draft_probs(runner, drafts, probs) if probs else None
         if probs:
             logger.info_once(

@@ -271,11 +271,33 @@ def test_treedraft_head_becomes_a_custom_class_proposer():
     assert cfg.speculative_config.num_speculative_tokens == 24
     td = cfg.additional_config["treedraft"]
     assert td == {"head_dir": str(resolve_head("smollm2-135m-eagle")), "head_type": "eagle",
-                  "tree": "dynamic:24,5,4"}
+                  "tree": "dynamic:24,5,4", "auto": False}
     cfg = _engine_config({"model": str(resolve_head("smollm2-135m-eagle")),
                           "num_speculative_tokens": 4})
     assert cfg.additional_config["treedraft"]["tree"] == "chain:4"
     assert cfg.speculative_config.num_speculative_tokens == 4
+
+
+def test_auto_tree_names_the_most_it_may_draft():
+    from treedraft.heads.common import read_config
+    from treedraft.training.heads_zoo import resolve_head
+
+    from treedraft.heads.tree import parse_tree_spec
+
+    default = parse_tree_spec(read_config(resolve_head("smollm2-135m-eagle"))["default_tree"])
+    default = default.to_string()
+    for spec, tree in [({"tree": "auto"}, default),
+                       ({"tree": " auto : dynamic:16,4,4 "}, "dynamic:16,4,4"),
+                       ({"tree": "auto", "num_speculative_tokens": 3}, "chain:3")]:
+        cfg = _engine_config({"model": "smollm2-135m-eagle", **spec})
+        td = cfg.additional_config["treedraft"]
+        assert td["auto"] is True and td["tree"] == tree, td
+    with pytest.raises(ValueError, match="bad tree spec"):
+        _engine_config({"model": "smollm2-135m-eagle", "tree": "auto:bushy:3"})
+    with pytest.raises(ValueError, match="'auto' or 'auto:SPEC'"):
+        _engine_config({"model": "smollm2-135m-eagle", "tree": "auto dynamic:16,4,4"})
+    with pytest.raises(ValueError, match="no head part"):
+        _engine_config({"model": "smollm2-135m-eagle", "tree": "auto:lookup:4"})
 
 
 def test_hybrid_and_lookup_only_trees_become_the_proposer():

@@ -22,6 +22,8 @@ One engine per configuration runs the same jobs (tests/../scripts/engine.py):
 * two engines in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0): no speculation, a tree, then
   the first engine again give identical outputs (the tree engine gets tree attention although
   vLLM cached the first engine's backend choice; no step state crosses engines).
+* auto: `"tree": "auto:dynamic:10,3,3"` (each step's node budget chosen from measured step
+  cost, down to 0) is identical too, drafted trees, and logged its choices.
 * batch-size schedule: vLLM's `num_speculative_tokens_per_batch_size` caps the tree at 2 nodes
   at batch <= 2 and turns drafting off above; outputs are still identical, and the draft counts
   show the cap (single stream: trees of at most 2 nodes; batch 8: no drafts while all 8 run).
@@ -196,6 +198,8 @@ def runs(target, prompts, tokenizer, eagle3_export, medusa_export, tmp_path_fact
         # preemption (5 blocks of 128 tokens) and chunked prefill cutting trees (64-token steps)
         "pressure": (target, TREE, [*greedy, serving, *jobs[1:2]],
                      {**small_kv, "max_num_batched_tokens": 64, "max_num_seqs": 8}),
+        # "tree": "auto": each step's node budget from measured step cost (heads/cost.py)
+        "auto": (target, {"model": EAGLE, "tree": "auto:dynamic:10,3,3"}, greedy, None),
         "schedule": (target, {**TREE, "num_speculative_tokens_per_batch_size": SCHEDULE},
                      [jobs[1], {"name": "wide", "prompts": prompts, "params": {
                          "temperature": 0, "max_tokens": 16, "ignore_eos": True}}], None),
@@ -257,7 +261,7 @@ def _check_identical(base: list[list[int]], got: list[list[int]], prompts, targe
 
 
 @pytest.mark.parametrize("name", ["chain", "tree", "lookup", "medusa", "pressure",
-                                  "stock_eagle3", "stock_medusa"])
+                                  "stock_eagle3", "stock_medusa", "auto"])
 def test_greedy_outputs_identical_to_no_speculation(runs, name, prompts, target):
     job = "parity" if name.startswith("stock_") else "greedy"  # stock vLLM: the parity job only
     base = runs["base"][0][job]["tokens"]
@@ -287,6 +291,8 @@ def test_greedy_outputs_identical_to_no_speculation(runs, name, prompts, target)
         assert res["spec"]["accepted"] > 0
     elif name != "chain":  # trees were drafted: more draft tokens than verify steps
         assert res["spec"]["draft_tokens"] > res["spec"]["drafts"]
+    if name == "auto":  # the budget chooser ran and said what it chose
+        assert "treedraft auto:" in runs[name][1], runs[name][1][-3000:]
 
 
 def test_serving_request_shapes_answered_exactly(runs, prompts, target):
