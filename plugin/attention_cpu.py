@@ -51,14 +51,22 @@ def vec_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return flat[:, :, 0].view(nb, h, two_d // 2, bs), flat[:, :, 1].view(nb, h, bs, two_d // 2)
 
 
+def gather_blocks(kv_cache: torch.Tensor, blocks: torch.Tensor, length: int):
+    """K, V [B, Hkv, length, D] of slots 0..length-1 of B requests whose block-table rows
+    are `blocks` [B, nblk] (vec layout)."""
+    kc, vc = vec_views(kv_cache)  # [nb, Hkv, D, bs], [nb, Hkv, bs, D]
+    B, nblk = blocks.shape
+    h, d, bs = kc.shape[1], kc.shape[2], kc.shape[3]
+    k = kc[blocks].permute(0, 2, 1, 4, 3).reshape(B, h, nblk * bs, d)[:, :, :length]
+    v = vc[blocks].permute(0, 2, 1, 3, 4).reshape(B, h, nblk * bs, d)[:, :, :length]
+    return k, v
+
+
 def gather_kv(kv_cache: torch.Tensor, block_row: torch.Tensor, length: int):
     """K, V [Hkv, length, D] of positions 0..length-1 of one request (vec layout)."""
-    kc, vc = vec_views(kv_cache)
-    bs = kc.shape[-1]
-    blocks = block_row[: (length + bs - 1) // bs].long()
-    k = kc[blocks].permute(1, 0, 3, 2).reshape(kc.shape[1], -1, kc.shape[2])[:, :length]
-    v = vc[blocks].permute(1, 0, 2, 3).reshape(vc.shape[1], -1, vc.shape[3])[:, :length]
-    return k, v
+    bs = kv_cache.shape[2]
+    k, v = gather_blocks(kv_cache, block_row[None, : (length + bs - 1) // bs].long(), length)
+    return k[0], v[0]
 
 
 def copy_slots(kv_cache: torch.Tensor, src: list[int], dst: list[int]) -> None:
@@ -144,11 +152,7 @@ class TreeBatch:
     def gather(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [B, Hkv, S, D] of slots 0..S-1 of each tree's request (vec layout), zero where
         a slot is past the request's prefix + tree."""
-        kc, vc = vec_views(kv_cache)  # [nb, Hkv, D, bs], [nb, Hkv, bs, D]
-        B, nblk = self.blocks.shape
-        h, d, bs = kc.shape[1], kc.shape[2], kc.shape[3]
-        k = kc[self.blocks].permute(0, 2, 1, 4, 3).reshape(B, h, nblk * bs, d)[:, :, : self.S]
-        v = vc[self.blocks].permute(0, 2, 1, 3, 4).reshape(B, h, nblk * bs, d)[:, :, : self.S]
+        k, v = gather_blocks(kv_cache, self.blocks, self.S)
         return k.masked_fill(~self.kv_valid, 0), v.masked_fill(~self.kv_valid, 0)
 
 

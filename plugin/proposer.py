@@ -75,7 +75,6 @@ class AutoBudget:
         self.spec = spec
         self.model = StepCostModel()
         self.lengths: dict[int, float] = {0: 1.0, spec.max_nodes: 1.0}
-        self._specs: dict[int, object] = {}
         self._last_end: float | None = None
         self._steps = 0
         self._logged: tuple[int, int] | None = None
@@ -106,19 +105,6 @@ class AutoBudget:
             self._logged, self._log_at = (batch, n), now
         return n
 
-    def spec_for(self, n: int):
-        """The spec to draft with at budget n: the full spec, or one of n nodes of its kind
-        (no lookup part)."""
-        if n >= self.spec.max_nodes:
-            return self.spec
-        if n not in self._specs:
-            s, m = self.spec, min(n, self.spec.head_nodes)
-            text = (f"dynamic:{m},{min(s.depth, m)},{min(s.topk, m)}" if s.kind == "dynamic"
-                    else f"chain:{min(m, MAX_TREE_DEPTH)}" if s.head_spec.is_chain
-                    else f"static:{m}")
-            self._specs[n] = parse_tree_spec(text)
-        return self._specs[n]
-
     def step_done(self, rows: int, drafted: int) -> None:
         """The step that ends now: from the previous step's end, with `rows` target rows and
         `drafted` nodes proposed (idle gaps are dropped by the model as outliers)."""
@@ -142,7 +128,7 @@ class TreeDraftProposer:
             )
         self.head_dir = td.get("head_dir")  # None: 'lookup:N' alone, no head
         self.spec = parse_tree_spec(td["tree"])
-        self._chains: dict[int, object] = {}  # budget -> chain spec (shorter chains)
+        self._smaller: dict[int, object] = {}  # budget -> smaller spec (spec_for)
         self.auto = AutoBudget(self.spec) if td.get("auto") else None  # "tree": "auto"
         self.tree_mode = not self.spec.is_chain  # chains: vLLM's rejection sampler verifies
         self.num_layers = vllm_config.model_config.hf_text_config.num_hidden_layers
@@ -205,12 +191,19 @@ class TreeDraftProposer:
         return torch.cat(parts, dim=-1)
 
     def spec_for(self, budget: int):
-        """The spec to draft with when at most `budget` nodes will be scheduled."""
-        if not self.spec.is_chain or budget >= self.spec.max_nodes:
-            return self.spec
-        if budget not in self._chains:
-            self._chains[budget] = parse_tree_spec(f"chain:{budget}")
-        return self._chains[budget]
+        """The spec to draft with when at most `budget` nodes will be scheduled: chains are
+        drafted that deep; other trees are drafted whole and cut to their first nodes, except
+        under "auto", which drafts a smaller tree of the same kind (no lookup part)."""
+        s = self.spec
+        if budget >= s.max_nodes or not (s.is_chain or self.auto is not None):
+            return s
+        if budget not in self._smaller:
+            m = min(budget, s.head_nodes)
+            text = (f"dynamic:{m},{min(s.depth, m)},{min(s.topk, m)}" if s.kind == "dynamic"
+                    else f"chain:{min(m, MAX_TREE_DEPTH)}" if s.head_spec.is_chain
+                    else f"static:{m}")
+            self._smaller[budget] = parse_tree_spec(text)
+        return self._smaller[budget]
 
     # -------------------------------------------------------------- one step
     @torch.no_grad()
@@ -256,21 +249,22 @@ class TreeDraftProposer:
         # together, a tree level of every request in one head forward (heads.lookup.draft_hybrids)
         drafts: list[list[int]] = [[] for _ in ib.req_ids]
         probs = {}  # row -> q [K, V] of sampled chains
-        eligible = []
-        for item in work:
-            i, req_id, sampled, session = item
-            if not sampled or budget == 0 or (self.tree_mode
-                                              and request_unsupported(runner, req_id)):
-                self.trees.pop(req_id, None)  # partial prefill chunk, no budget, or params
-                self.sources.pop(req_id, None)  # trees cannot honour: no draft
-                continue
-            eligible.append(item)
-        if self.auto is not None and eligible:
+        # no draft: partial prefill chunk, params trees cannot honour, or no budget (vLLM's
+        # schedule, or auto's choice)
+        eligible = [(i, req_id, sampled, session) for i, req_id, sampled, session in work
+                    if sampled and not (self.tree_mode and request_unsupported(runner, req_id))]
+        if self.auto is not None and eligible and budget:
             budget = min(budget, self.auto.choose(len(eligible)))
-        spec = (self.auto.spec_for(budget) if self.auto is not None else self.spec_for(budget)
-                ) if budget else self.spec
+        if not budget:
+            eligible = []
+        drafting = {req_id for _, req_id, *_ in eligible}
+        for _, req_id, *_ in work:
+            if req_id not in drafting:
+                self.trees.pop(req_id, None)
+                self.sources.pop(req_id, None)
+        spec = self.spec_for(budget) if budget else self.spec
         jobs = []  # (i, req_id, root, session, lookup index)
-        for i, req_id, sampled, session in eligible if budget else ():
+        for i, req_id, sampled, session in eligible:
             params = None if self.tree_mode else self._sampled_params(runner, req_id)
             if params is not None:
                 # a seeded request draws its drafts from its own generator (reproducible)
@@ -288,9 +282,6 @@ class TreeDraftProposer:
         for (i, req_id, *_), hybrid in zip(jobs, hybrids, strict=True):
             self.trees[req_id], self.sources[req_id] = hybrid.tree, hybrid.sources
             drafts[i] = hybrid.tree.tokens[1 : budget + 1].tolist()  # make_request keeps these
-        for i, *_ in (eligible if not budget else ()):
-            self.trees.pop(ib.req_ids[i], None)  # auto chose no drafts this step
-            self.sources.pop(ib.req_ids[i], None)
         if self.auto is not None:
             self.auto.step_done(scheduler_output.total_num_scheduled_tokens,
                                 sum(len(d) for d in drafts))
