@@ -2,22 +2,29 @@
 
 Speculation pays only when the extra tokens a step accepts outweigh what its extra rows cost.
 On a GPU a decode step is memory-bound and extra rows are nearly free; on a CPU the target is
-compute-bound after a few rows and every drafted node costs about as much as a token. Neither
-is assumed: `StepCostModel` fits, online, from the engine's own steps
+compute-bound after a few rows and a drafted node costs about as much as a token. Neither is
+assumed: `StepCostModel` fits, online, from the engine's own steps
 
-    seconds(step) ~ a + b * target_rows + c * drafted_nodes
+    seconds(step) ~ a + b * decode_rows + p * prefill_rows + c * verified_drafts + d * drafted
 
-(least squares over a window of recent steps, coefficients kept >= 0), and `best_budget` picks
-the node budget n per request that maximises expected tokens per second for the current batch
-of B drafting requests:
+(least squares, coefficients kept >= 0): a plain decode row, a row of a prefill chunk (cheaper
+per row on a CPU: one large GEMM), a drafted token verified this step (tree attention and
+verification on top of its row) and a node drafted this step (the head's forwards) each have
+their own price. `best_budget` picks the node budget n per request that maximises expected
+tokens per second for the current batch of B drafting requests:
 
-    B * E(n) / seconds(B * (1 + n) rows, B * n drafted nodes)
+    B * E(n) / seconds(decode B, verified B * n, drafted B * n)
 
 where E(n) = expected tokens per request per step of the best n-node tree under the head's
-measured acceptance rates (`expected_lengths`; E(0) = 1). n = 0 drafts nothing: a step costs
-what it costs without speculation, so `auto` is never slower than no speculation beyond the
-model's error and its exploration steps. A better head raises E(n) and the same model then
-chooses larger trees: nothing to retune.
+acceptance rates (`expected_lengths`; E(0) = 1), scaled online by how well the head actually
+accepts (`Acceptance`: temperature, domain). n = 0 drafts nothing: a step then costs what it
+costs without speculation. A better head raises E(n) and the same model then chooses larger
+trees: nothing to retune.
+
+`BudgetPolicy` is the whole policy: it drafts nothing until the model has seen what drafting
+costs, explores one budget up (and down) at an interval that doubles while the choice holds, so
+exploration costs little once the answer is clear, and goes back to frequent exploration when the
+choice changes.
 """
 
 from __future__ import annotations
@@ -61,59 +68,155 @@ def expected_lengths(rates: Sequence[Sequence[float]], max_nodes: int, chain: bo
     return out
 
 
+FEATURES = ("decode rows", "prefill rows", "verified drafts", "drafted nodes")
+
+
 class StepCostModel:
-    """Online least-squares model of a step's seconds from (target rows, drafted nodes)."""
+    """Online least-squares model of a step's seconds from its `FEATURES` counts.
+
+    Steps that verify or draft are kept in their own window, so that a long run of plain steps
+    (auto choosing 0) never pushes out what the model knows about drafting."""
 
     def __init__(self, window: int = 256, min_samples: int = 12) -> None:
-        self.samples: deque[tuple[float, float, float]] = deque(maxlen=window)
+        self.plain: deque[tuple[float, ...]] = deque(maxlen=window)
+        self.drafting: deque[tuple[float, ...]] = deque(maxlen=window // 4)
         self.min_samples = min_samples
-        self._coef: tuple[float, float, float] | None = None
+        self._coef: tuple[float, ...] | None = None
+        self._fitted = False
 
-    def add(self, rows: int, drafted: int, seconds: float) -> None:
-        """One step: target rows it ran, draft nodes it proposed, wall seconds. A sample more
-        than 4x slower than the model predicts (an idle gap, a stall) is dropped."""
-        if seconds <= 0 or rows <= 0:
-            return
-        coef = self.fit()
-        if coef is not None and seconds > 4 * self.predict(rows, drafted):
-            return
-        self.samples.append((float(rows), float(drafted), float(seconds)))
-        self._coef = None
+    @property
+    def samples(self) -> list[tuple[float, ...]]:
+        return [*self.plain, *self.drafting]
 
-    def fit(self) -> tuple[float, float, float] | None:
-        """(a, b, c) >= 0, or None before `min_samples` steps or without spread in the rows."""
-        if self._coef is not None or len(self.samples) < self.min_samples:
+    def add(self, seconds: float, decode: int = 0, prefill: int = 0, verified: int = 0,
+            drafted: int = 0) -> None:
+        """One step: its wall seconds and counts. A sample more than 4x slower than the model
+        predicts (an idle gap, a stall) is dropped."""
+        x = (float(decode), float(prefill), float(verified), float(drafted))
+        if seconds <= 0 or decode + prefill <= 0:
+            return
+        if self.fit() is not None and seconds > 4 * self.predict(*x):
+            return
+        (self.drafting if verified or drafted else self.plain).append((*x, float(seconds)))
+        self._coef, self._fitted = None, False
+
+    @property
+    def knows_drafting(self) -> bool:
+        """Whether steps that verified and steps that drafted were both measured."""
+        return (any(s[2] > 0 for s in self.drafting) and any(s[3] > 0 for s in self.drafting))
+
+    def fit(self) -> tuple[float, ...] | None:
+        """(a, b, p, c, d) >= 0, or None before `min_samples` steps or without spread in the
+        rows. A feature that never varied gets 0 (the intercept holds it)."""
+        if self._fitted:
             return self._coef
-        s = torch.tensor(list(self.samples), dtype=torch.float64)
-        X = torch.stack([torch.ones(len(s), dtype=torch.float64), s[:, 0], s[:, 1]], 1)
-        y = s[:, 2]
-        if s[:, 0].max() == s[:, 0].min():
+        self._fitted = True
+        samples = self.samples
+        if len(samples) < self.min_samples:
             return None
-        cols = [0, 1, 2] if s[:, 1].max() > s[:, 1].min() else [0, 1]
+        s = torch.tensor(samples, dtype=torch.float64)
+        rows = s[:, 0] + s[:, 1]
+        if rows.max() == rows.min() and not self.drafting:
+            return None
+        X = torch.cat([torch.ones(len(s), 1, dtype=torch.float64), s[:, :4]], 1)
+        y = s[:, 4]
+        cols = [0] + [j + 1 for j in range(4) if s[:, j].max() > s[:, j].min()]
+        scale = X.abs().amax(0).clamp_min(1.0)
         while True:  # drop a column whose coefficient comes out negative and refit
-            sol = torch.linalg.lstsq(X[:, cols], y[:, None]).solution[:, 0]
+            # a small ridge on the (scaled) features: a feature seen in one odd step (a lone
+            # prefill in a window of decodes) cannot take the others' cost with it
+            A = X[:, cols] / scale[cols]
+            ridge = torch.diag(torch.tensor([0.0 if c == 0 else 1e-3 for c in cols],
+                                            dtype=torch.float64)) * len(s) ** 0.5
+            sol = torch.linalg.lstsq(torch.cat([A, ridge]),
+                                     torch.cat([y, y.new_zeros(len(cols))])[:, None]
+                                     ).solution[:, 0] / scale[cols]
             neg = [c for c, v in zip(cols, sol.tolist(), strict=True) if v < 0 and c != 0]
             if not neg:
                 break
             cols = [c for c in cols if c != neg[0]]
-        coef = [0.0, 0.0, 0.0]
+        coef = [0.0] * 5
         for c, v in zip(cols, sol.tolist(), strict=True):
             coef[c] = max(v, 0.0)
-        self._coef = (coef[0], coef[1], coef[2])
+        self._coef = tuple(coef)
         return self._coef
 
-    def predict(self, rows: float, drafted: float) -> float:
-        a, b, c = self.fit() or (0.0, 0.0, 0.0)
-        return a + b * rows + c * drafted
+    def predict(self, decode: float, prefill: float = 0.0, verified: float = 0.0,
+                drafted: float = 0.0) -> float:
+        a, b, p, c, d = self.fit() or (0.0,) * 5
+        return a + b * decode + p * prefill + c * verified + d * drafted
 
 
 def best_budget(model: StepCostModel, batch: int, lengths: dict[int, float]) -> int:
-    """The budget in `lengths` with the most expected tokens per second for `batch` drafting
-    requests (ties: the smaller budget); the largest before the model is fitted."""
-    if model.fit() is None or batch <= 0:
-        return max(lengths)
+    """The budget in `lengths` with the most expected tokens per second for `batch` decoding
+    requests (ties: the smaller budget); 0 until the model knows what drafting costs."""
+    if model.fit() is None or batch <= 0 or not model.knows_drafting:
+        return 0
 
     def rate(n: int) -> float:
-        return batch * lengths[n] / max(model.predict(batch * (1 + n), batch * n), 1e-9)
+        return batch * lengths[n] / max(model.predict(batch, 0, batch * n, batch * n), 1e-9)
 
     return max(sorted(lengths), key=lambda n: (rate(n), -n))
+
+
+class Acceptance:
+    """How the head accepts in this engine against what its rate table promises: kappa =
+    observed extra tokens / expected extra tokens (decayed sums with a prior of 1), so that
+    E(n) = 1 + kappa * (E_table(n) - 1) follows temperature and domain."""
+
+    def __init__(self, decay: float = 0.98, prior: float = 2.0) -> None:
+        self.decay, self.observed, self.expected = decay, prior, prior
+
+    def add(self, expected_extra: float, observed_extra: float) -> None:
+        if expected_extra <= 0:
+            return
+        self.observed = self.decay * self.observed + observed_extra
+        self.expected = self.decay * self.expected + expected_extra
+
+    @property
+    def kappa(self) -> float:
+        return min(self.observed / self.expected, 4.0)
+
+
+class BudgetPolicy:
+    """Each step's node budget (see the module docstring): `choose` before drafting, `observe`
+    what the last step's drafts earned, `step_done` with the step's counts and seconds."""
+
+    EXPLORE_MIN, EXPLORE_MAX = 4, 256  # steps between explorations: doubles while choice holds
+
+    def __init__(self, lengths: dict[int, float]) -> None:
+        self.table = dict(lengths)  # E(n) of the head's rate table
+        self.model = StepCostModel()
+        self.acceptance = Acceptance()
+        self.interval = self.EXPLORE_MIN
+        self._since = 0  # steps since the last exploration
+        self._up = False  # the last exploration went up (they alternate where both exist)
+        self._choice = 0
+
+    def lengths(self) -> dict[int, float]:
+        k = self.acceptance.kappa
+        return {n: 1.0 + k * (e - 1.0) for n, e in self.table.items()}
+
+    def best(self, batch: int) -> int:
+        return best_budget(self.model, batch, self.lengths())
+
+    def choose(self, batch: int) -> tuple[int, bool]:
+        """(budget, explored) for a step with `batch` drafting requests."""
+        n = self.best(batch)
+        if n != self._choice:  # a new answer: check it again soon
+            self._choice, self.interval = n, self.EXPLORE_MIN
+        self._since += 1
+        up = [b for b in self.table if b > n]
+        down = [b for b in self.table if b < n]
+        if self._since < self.interval or not (up or down):
+            return n, False
+        self._since, self.interval = 0, min(2 * self.interval, self.EXPLORE_MAX)
+        self._up = not self._up if (up and down) else bool(up)
+        return (min(up) if self._up else max(down)), True
+
+    def observe(self, expected_extra: float, observed_extra: float) -> None:
+        self.acceptance.add(expected_extra, observed_extra)
+
+    def step_done(self, seconds: float, decode: int, prefill: int, verified: int,
+                  drafted: int) -> None:
+        self.model.add(seconds, decode, prefill, verified, drafted)

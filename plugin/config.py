@@ -17,9 +17,9 @@ its own) or ``method`` is ``"treedraft"``:
 - ``additional_config["treedraft"]`` carries head dir, head type and tree to every process.
 
 Tree shape: ``tree`` if given, else ``chain:num_speculative_tokens`` if that is given, else the
-head's ``default_tree``. ``"auto"`` (or ``"auto:SPEC"``) drafts at most that tree (or SPEC) and
-lets the proposer choose each step's node budget, down to 0, from measured step cost
-(heads/cost.py). Chains are verified by vLLM's own rejection sampler; branching trees by
+head's ``default_tree`` under ``"auto"``. ``"auto"`` (or ``"auto:SPEC"``) drafts at most that tree
+(or SPEC) and lets the proposer choose each step's node budget, down to 0, from measured step
+cost and observed acceptance (heads/cost.py); it is what a config naming only the head gets. Chains are verified by vLLM's own rejection sampler; branching trees by
 treedraft's tree verifier. Prompt lookup needs no head: ``{"method": "treedraft", "tree":
 "lookup:N"}`` drafts from each request's own history alone, and ``"+lookup:N"`` after a head's
 tree grafts lookup branches into it.
@@ -103,7 +103,9 @@ AUTO = "auto"  # "tree": "auto" or "auto:SPEC": the node budget chosen per step 
 def resolve_tree(sc: dict, head_config: dict) -> tuple[Any, bool]:
     """(TreeSpec, auto) asked for by the popped `tree` key / num_speculative_tokens / head
     default. "auto" drafts at most the head's default tree (or chain:num_speculative_tokens),
-    "auto:SPEC" at most SPEC, each step's budget chosen from measured cost."""
+    "auto:SPEC" at most SPEC, each step's budget chosen from measured cost. Naming only the head
+    (no tree, no num_speculative_tokens, no num_speculative_tokens_per_batch_size) means "auto";
+    a tree or a token count given explicitly is drafted as given."""
     from treedraft.heads.tree import parse_tree_spec
 
     tree = sc.pop("tree", None)
@@ -116,6 +118,8 @@ def resolve_tree(sc: dict, head_config: dict) -> tuple[Any, bool]:
         if rest and not rest.startswith(":"):
             raise ValueError(f"--speculative-config: tree {tree!r}: write 'auto' or 'auto:SPEC'")
         tree = rest[1:].strip() or None
+    if tree is None and k is None and not sc.get("num_speculative_tokens_per_batch_size"):
+        auto = True  # only the head named: its default tree, each step's budget chosen
     if tree is None:
         tree = f"chain:{k}" if k is not None else head_config.get("default_tree", "chain:5")
     spec = parse_tree_spec(tree)

@@ -31,7 +31,9 @@ nothing is drafted (the head still reads the step's hidden states, so it keeps i
 from __future__ import annotations
 
 import os
+import statistics
 import time
+from collections import deque
 
 import torch
 from vllm.logger import init_logger
@@ -61,57 +63,90 @@ def target_weights(model, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class AutoBudget:
-    """`"tree": "auto"`: each step's node budget from the engine's measured step cost
-    (heads.cost: online model, expected tokens per budget from the head's acceptance rates).
-    Every EXPLORE-th step with drafting requests drafts the next larger budget than the chosen
-    one, so the model keeps seeing what drafting costs even while it chooses none (a small
-    detour: at most 1/EXPLORE of the steps, one budget step up)."""
-
-    EXPLORE = 16
+    """`"tree": "auto"` inside the engine: `heads.cost.BudgetPolicy` (each step's node budget
+    from the engine's measured step cost and the head's observed acceptance) fed with this
+    engine's steps: their wall time, rows by kind (scheduler_output) and what the drafts of the
+    step before earned. Logs its choices (rank 0, at most every 10 s while they change)."""
 
     def __init__(self, spec) -> None:
-        from treedraft.heads.cost import StepCostModel
+        from treedraft.heads.cost import BudgetPolicy
 
         self.spec = spec
-        self.model = StepCostModel()
-        self.lengths: dict[int, float] = {0: 1.0, spec.max_nodes: 1.0}
+        self.policy = BudgetPolicy({0: 1.0, spec.max_nodes: 1.0})
+        self._start: float | None = None  # when this step's execute_model began
         self._last_end: float | None = None
-        self._steps = 0
+        self._gaps: deque[float] = deque(maxlen=32)
+        self._drafted: dict[str, int] = {}  # req_id -> nodes drafted for it last step
         self._logged: tuple[int, int] | None = None
         self._log_at = 0.0
+        self._fitted = False
+        self.explorations = 0
 
     def set_rates(self, rates) -> None:
-        from treedraft.heads.cost import expected_lengths
+        from treedraft.heads.cost import BudgetPolicy, expected_lengths
         from treedraft.heads.tree import DEFAULT_ACCEPTANCE_RATES
 
-        self.lengths = expected_lengths(rates or DEFAULT_ACCEPTANCE_RATES, self.spec.head_nodes,
-                                        chain=self.spec.head_spec.is_chain)
-        self.lengths[self.spec.max_nodes] = max(self.lengths.values())  # + lookup nodes
+        table = expected_lengths(rates or DEFAULT_ACCEPTANCE_RATES, self.spec.head_nodes,
+                                 chain=self.spec.head_spec.is_chain)
+        table[self.spec.max_nodes] = max(table.values())  # + lookup nodes
+        self.policy = BudgetPolicy(table)
+
+    def observe(self, sampled: dict[str, int]) -> None:
+        """sampled: req_id -> tokens this step gave the request (1 + accepted drafts)."""
+        table = self.policy.table
+        expected = observed = 0.0
+        for req_id, n in self._drafted.items():
+            if sampled.get(req_id, 0) >= 1 and n:
+                expected += table[max(b for b in table if b <= n)] - 1.0
+                observed += sampled[req_id] - 1
+        self.policy.observe(expected, observed)
 
     def choose(self, batch: int) -> int:
-        from treedraft.heads.cost import best_budget
-
-        self._steps += 1
-        n = best_budget(self.model, batch, self.lengths)
-        if n < self.spec.max_nodes and self._steps % self.EXPLORE == 0:
-            return min(b for b in self.lengths if b > n)  # exploration
+        n, explored = self.policy.choose(batch)
+        self.explorations += explored
         now = time.monotonic()
-        if (batch, n) != self._logged and now - self._log_at > 10:
-            a, b, c = self.model.fit() or (0.0, 0.0, 0.0)
-            logger.info("treedraft auto: %d drafting requests -> %d nodes each (expected %.2f "
-                        "tokens per request-step; step ~ %.1f ms + %.2f ms/row + %.2f ms/node, "
-                        "%d steps measured)", batch, n, self.lengths[n], 1e3 * a, 1e3 * b,
-                        1e3 * c, len(self.model.samples))
+        fitted = self.policy.model.knows_drafting and self.policy.model.fit() is not None
+        first = fitted and not self._fitted  # the first choice from measured drafting cost
+        self._fitted |= fitted
+        if not explored and _tp_rank0() and (
+                first or ((batch, n) != self._logged and now - self._log_at > 10)):
+            coef = self.policy.model.fit() or (0.0,) * 5
+            logger.info(
+                "treedraft auto: %d drafting requests -> %d nodes each (expected %.2f tokens per "
+                "request-step, acceptance x%.2f of the head's table; step ~ %.1f ms + %.2f "
+                "ms/decode row + %.2f ms/prefill row + %.2f ms/verified draft + %.2f ms/drafted "
+                "node; %d steps measured, %d explored)", batch, n, self.policy.lengths()[n],
+                self.policy.acceptance.kappa, *(1e3 * c for c in coef),
+                len(self.policy.model.samples), self.explorations)
             self._logged, self._log_at = (batch, n), now
         return n
 
-    def step_done(self, rows: int, drafted: int) -> None:
-        """The step that ends now: from the previous step's end, with `rows` target rows and
-        `drafted` nodes proposed (idle gaps are dropped by the model as outliers)."""
+    def step_started(self) -> None:
         now = time.perf_counter()
-        if self._last_end is not None and now - self._last_end < 30:
-            self.model.add(rows, drafted, now - self._last_end)
-        self._last_end = now
+        if self._last_end is not None:  # scheduler and frontend time between worker steps
+            self._gaps.append(now - self._last_end)
+        self._start = now
+
+    def step_done(self, scheduler_output, drafted: dict[str, int]) -> None:
+        """The step that ends now: the worker's time since `step_started` plus the median gap
+        between steps (idle time between requests never counts), its rows by kind, and the
+        nodes drafted per request."""
+        now = time.perf_counter()
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        decode = prefill = verified = 0
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            v = len(spec.get(req_id, ()))
+            verified += v
+            if n - v == 1:
+                decode += 1
+            else:
+                prefill += n - v
+        if self._start is not None:
+            gap = statistics.median(self._gaps) if self._gaps else 0.0
+            self.policy.step_done(now - self._start + gap, decode, prefill, verified,
+                                  sum(drafted.values()))
+        self._start, self._last_end = None, now
+        self._drafted = drafted
 
 
 def _tp_rank0() -> bool:
@@ -253,6 +288,8 @@ class TreeDraftProposer:
         # schedule, or auto's choice)
         eligible = [(i, req_id, sampled, session) for i, req_id, sampled, session in work
                     if sampled and not (self.tree_mode and request_unsupported(runner, req_id))]
+        if self.auto is not None:
+            self.auto.observe({req_id: len(sampled) for _, req_id, sampled, _ in work})
         if self.auto is not None and eligible and budget:
             budget = min(budget, self.auto.choose(len(eligible)))
         if not budget:
@@ -283,8 +320,8 @@ class TreeDraftProposer:
             self.trees[req_id], self.sources[req_id] = hybrid.tree, hybrid.sources
             drafts[i] = hybrid.tree.tokens[1 : budget + 1].tolist()  # make_request keeps these
         if self.auto is not None:
-            self.auto.step_done(scheduler_output.total_num_scheduled_tokens,
-                                sum(len(d) for d in drafts))
+            self.auto.step_done(scheduler_output,
+                                {ib.req_ids[i]: len(d) for i, d in enumerate(drafts) if d})
         self.last_draft_probs = self._draft_probs(runner, drafts, probs) if probs else None
         if probs:
             logger.info_once(

@@ -169,7 +169,18 @@ def _wrap_sample(original):
     return _sample
 
 
+def _wrap_execute_model(original):
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        if _ours(self) and self.drafter.auto is not None:
+            self.drafter.auto.step_started()  # "tree": "auto" times the worker's step
+        return original(self, scheduler_output, *args, **kwargs)
+
+    return execute_model
+
+
 WORKER_PATCHES = [
+    Patch(f"{RUNNER}.execute_model", _wrap_execute_model,
+          "\"tree\": \"auto\" measures when each step starts"),
     Patch(f"{RUNNER}._setup_eagle3_aux_hidden_state_outputs", _wrap_setup_aux,
           "capture the treedraft head's target layers as aux hidden states"),
     Patch(f"{RUNNER}.propose_draft_token_ids", _wrap_propose,

@@ -39,20 +39,23 @@ PRESETS = {
     "quick": {"limit": 4, "stride": 20, "max_new_tokens": 64, "batch_sizes": (1, 8),
               "temperatures": (0.0, 1.0), "enforce_eager": True,
               "configs": ("no-spec", "ngram=3", "chain=2", "tree=lookup:4",
-                          "tree=chain:2+lookup:4")},
+                          "tree=chain:2+lookup:4", "auto")},
     "full": {"limit": 80, "stride": 1, "max_new_tokens": 256, "batch_sizes": (1, 4, 16, 32),
              "temperatures": (0.0, 1.0), "enforce_eager": False,
              # small trees: on a CPU every verified token costs compute
              "configs": ("no-spec", "ngram=4", "chain=3", "tree=static:10",
                          "tree=dynamic:10,3,3", "tree=lookup:8",
-                         "tree=dynamic:10,3,3+lookup:8")},
+                         "tree=dynamic:10,3,3+lookup:8", "auto")},
 }
 
 
 def speculative_config(config: str, head: str) -> dict | None:
-    """'no-spec' | 'ngram=K' | 'chain=K' | 'tree=SPEC' | 'spec=JSON' -> vLLM's speculative_config.
+    """'no-spec' | 'ngram=K' | 'chain=K' | 'tree=SPEC' | 'auto[=SPEC]' | 'spec=JSON' -> vLLM's
+    speculative_config.
 
     tree=SPEC takes hybrid specs ('dynamic:10,3,3+lookup:8') and lookup alone ('lookup:8').
+    auto is what `vllm serve` does when only the head is named (each step's node budget chosen
+    from measured cost, at most the head's default tree); auto=SPEC drafts at most SPEC.
 
     spec=JSON is any --speculative-config dict ("model" defaults to the benchmarked head), e.g.
     'spec={"tree": "chain:3", "num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 256, 0]]}'.
@@ -69,6 +72,8 @@ def speculative_config(config: str, head: str) -> dict | None:
         if arg.strip().startswith("lookup:"):  # prompt lookup alone: no head
             return {"method": "treedraft", "tree": arg}
         return {"model": head, "tree": arg}
+    if kind == "auto":
+        return {"model": head, **({"tree": f"auto:{arg}"} if arg else {})}
     if kind == "spec":
         try:
             sc = json.loads(arg)
@@ -77,8 +82,8 @@ def speculative_config(config: str, head: str) -> dict | None:
         if not isinstance(sc, dict):
             raise ValueError(f"bench config {config!r}: spec= needs a JSON object")
         return {"model": head, **sc}
-    raise ValueError(f"bench config {config!r}: use no-spec, ngram=K, chain=K, tree=SPEC or "
-                     "spec=JSON")
+    raise ValueError(f"bench config {config!r}: use no-spec, ngram=K, chain=K, tree=SPEC, "
+                     "auto[=SPEC] or spec=JSON")
 
 
 def _jobs(prompts: list[list[int]], batch_sizes, temperatures, max_new_tokens: int) -> list[dict]:

@@ -179,7 +179,7 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperatures", type=floats, default=None,
                    help=f"default {','.join(f'{t:g}' for t in q['temperatures'])}")
     p.add_argument("--config", action="append", default=None,
-                   help=f"repeatable: no-spec | ngram=K | chain=K | tree=SPEC | spec=JSON; the "
+                   help=f"repeatable: no-spec | ngram=K | chain=K | tree=SPEC | auto[=SPEC] | spec=JSON; the "
                         f"first is the speedup baseline (default: {' '.join(q['configs'])})")
     p.add_argument("--out", default="runs/bench", help="folder for bench.json, bench.md, PNGs")
     p.add_argument("--dtype", default="auto",

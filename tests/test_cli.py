@@ -151,6 +151,8 @@ def test_bench_configs_rows_and_table():
     assert speculative_config("ngram=4", "H")["method"] == "ngram"
     assert speculative_config("tree=chain:2+lookup:8", "H") == {"model": "H", "tree": "chain:2+lookup:8"}
     assert speculative_config("tree=lookup:8", "H") == {"method": "treedraft", "tree": "lookup:8"}
+    assert speculative_config("auto", "H") == {"model": "H"}  # only the head: what serve does
+    assert speculative_config("auto=chain:3", "H") == {"model": "H", "tree": "auto:chain:3"}
     sched = 'spec={"tree": "chain:3", "num_speculative_tokens_per_batch_size": [[1, 4, 3]]}'
     assert speculative_config(sched, "H") == {
         "model": "H", "tree": "chain:3", "num_speculative_tokens_per_batch_size": [[1, 4, 3]]}

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 
-from treedraft.heads.cost import StepCostModel, best_budget, expected_lengths
+from treedraft.heads.cost import BudgetPolicy, StepCostModel, best_budget, expected_lengths
 from treedraft.heads.tree import build_static_paths, expected_acceptance_length
 
 RATES = [[0.43, 0.12, 0.05], [0.34, 0.1], [0.33], [0.33]]  # about the shipped EAGLE head
@@ -16,37 +18,111 @@ def test_expected_lengths_of_chains_and_trees():
     t = expected_lengths(RATES, 8, chain=False)
     assert list(t) == [0, 1, 2, 3, 4, 6, 8]
     assert t[4] == pytest.approx(expected_acceptance_length(build_static_paths(RATES, 4), RATES))
-    assert all(t[a] < t[b] for a, b in zip(list(t), list(t)[1:]))  # more nodes, more tokens
+    assert all(t[a] < t[b] for a, b in pairwise(t))  # more nodes, more tokens
     assert expected_lengths(RATES, 64, chain=False)[64] >= t[8]  # capped by the table
 
 
-def fitted(a: float, b: float, c: float) -> StepCostModel:
+def fitted(a: float, b: float, c: float, d: float = 0.0, p: float = 0.0) -> StepCostModel:
+    """A model fed exact step times: a + b*decode + p*prefill + c*verified + d*drafted."""
     m = StepCostModel()
-    for rows, drafted in [(1, 0), (8, 0), (100, 0), (4, 3), (32, 30), (12, 10), (64, 48),
-                          (200, 0), (9, 8), (40, 3), (2, 1), (16, 16), (24, 0)]:
-        m.add(rows, drafted, a + b * rows + c * drafted)
+    for dec, pre, ver, dra in [(1, 0, 0, 0), (8, 0, 0, 0), (0, 100, 0, 0), (4, 0, 3, 0),
+                               (32, 0, 30, 30), (12, 0, 0, 10), (64, 0, 48, 64), (0, 200, 0, 0),
+                               (9, 0, 8, 8), (40, 0, 3, 0), (2, 0, 1, 1), (16, 0, 16, 0),
+                               (24, 50, 0, 0)]:
+        m.add(a + b * dec + p * pre + c * ver + d * dra, dec, pre, ver, dra)
     return m
 
 
 def test_cost_model_recovers_its_coefficients_and_drops_stalls():
-    m = fitted(0.005, 0.0006, 0.0003)
-    assert m.fit() == pytest.approx((0.005, 0.0006, 0.0003), rel=1e-6)
-    m.add(10, 0, 5.0)  # an idle gap between requests: dropped
-    assert len(m.samples) == 13 and m.predict(10, 0) == pytest.approx(0.011)
+    m = fitted(0.005, 0.0006, 0.0009, 0.0003, 0.0002)
+    assert m.fit() == pytest.approx((0.005, 0.0006, 0.0002, 0.0009, 0.0003), rel=1e-3)
+    m.add(5.0, 10)  # an idle gap between requests: dropped
+    assert len(m.samples) == 13 and m.predict(10) == pytest.approx(0.011, rel=1e-3)
     assert StepCostModel().fit() is None  # nothing measured yet
     flat = StepCostModel(min_samples=2)
-    flat.add(4, 0, 0.1)
-    flat.add(4, 0, 0.1)
-    assert flat.fit() is None  # rows never varied: no slope to trust
+    flat.add(0.1, 4)
+    flat.add(0.1, 4)
+    assert flat.fit() is None  # rows never varied, nothing drafted: no slope to trust
+    for _ in range(1000):  # a long run of plain steps never pushes out what drafting costs
+        m.add(0.005 + 0.0006 * 7, 7)
+    assert m.knows_drafting and m.predict(4, 0, 4, 4) == pytest.approx(
+        0.005 + 0.0006 * 4 + 0.0012 * 4, rel=1e-3)
 
 
 def test_budget_follows_cost_and_batch():
     lengths = expected_lengths(RATES, 16, chain=False)
-    assert best_budget(StepCostModel(), 4, lengths) == 16  # unfitted: draft the full tree
-    cpu = fitted(0.005, 0.0006, 0.0003)  # every row costs about what a token is worth
+    assert best_budget(StepCostModel(), 4, lengths) == 0  # unfitted: draft nothing
+    plain = StepCostModel()
+    for rows in range(1, 20):
+        plain.add(0.01 + 0.001 * rows, rows)
+    assert plain.fit() is not None and not plain.knows_drafting
+    assert best_budget(plain, 4, lengths) == 0  # drafting never measured: draft nothing
+    cpu = fitted(0.005, 0.0006, 0.0006, 0.0001)  # every row costs about what a token is worth
     assert best_budget(cpu, 8, lengths) == 0
-    gpu = fitted(0.020, 1e-6, 1e-6)  # memory-bound: extra rows are nearly free
+    gpu = fitted(0.020, 1e-6, 1e-6, 1e-6)  # memory-bound: extra rows are nearly free
     assert best_budget(gpu, 8, lengths) == 16
-    mid = fitted(0.050, 0.001, 0.0002)  # a fixed cost per step that small batches do not fill
+    mid = fitted(0.050, 0.001, 0.001, 0.0001)  # a fixed cost per step small batches do not fill
     small, large = best_budget(mid, 1, lengths), best_budget(mid, 64, lengths)
     assert small > 0 and large == 0 and small > large
+
+
+def simulate(cost, kappa: float, batch: int, steps: int, lengths) -> tuple[float, list[int]]:
+    """A serving loop: `cost(decode, verified, drafted)` seconds per step, drafts accepted at
+    `kappa` times the head's table. Returns (tokens/s against no speculation, budgets)."""
+    policy = BudgetPolicy(lengths)
+    for pre in (40, 120, 80):  # prefills first, as in an engine
+        policy.step_done(cost(0, 0, 0) + 0.0001 * pre, 0, pre, 0, 0)
+    tokens = seconds = 0.0
+    last, budgets = 0, []
+    for _ in range(steps):
+        extra = kappa * (lengths[last] - 1.0) if last else 0.0
+        policy.observe(batch * (lengths[last] - 1.0) if last else 0.0, batch * extra)
+        n, _ = policy.choose(batch)
+        t = cost(batch, batch * last, batch * n)
+        policy.step_done(t, batch, 0, batch * last, batch * n)
+        tokens, seconds = tokens + batch * (1 + extra), seconds + t
+        last = n
+        budgets.append(n)
+    return (tokens / seconds) / (batch / cost(batch, 0, 0)), budgets
+
+
+def true_best(cost, kappa: float, batch: int, lengths) -> int:
+    return max(lengths, key=lambda n: batch * (1 + kappa * (lengths[n] - 1))
+               / cost(batch, batch * n, batch * n))
+
+
+def mode(xs: list[int]) -> int:
+    return max(set(xs), key=xs.count)
+
+
+def test_policy_never_loses_much_where_drafting_does_not_pay_and_finds_where_it_does():
+    lengths = expected_lengths(RATES, 16, chain=False)
+
+    def cpu(dec, ver, dra):  # this CPU and head: a tree row costs more than it earns
+        return 0.060 + 0.0075 * dec + 0.011 * ver + 0.0015 * dra
+
+    for batch in (4, 32):
+        speed, budgets = simulate(cpu, 1.0, batch, 400, lengths)
+        assert true_best(cpu, 1.0, batch, lengths) == 0
+        assert speed > 0.97, (batch, speed)
+        assert sum(b > 0 for b in budgets[200:]) <= 2, budgets  # explorations grow rare
+    speed, budgets = simulate(cpu, 1.0, 1, 400, lengths)  # one request: one node pays here
+    assert true_best(cpu, 1.0, 1, lengths) == 1
+    assert speed > 1.1 and budgets[-100:].count(1) >= 95, (speed, budgets[-100:])
+
+    def gpu(dec, ver, dra):  # memory-bound target: rows almost free, drafting cheap
+        return 0.020 + 0.00002 * (dec + ver) + 0.00005 * dra
+
+    for batch in (1, 8):
+        speed, budgets = simulate(gpu, 1.0, batch, 200, lengths)
+        best = true_best(gpu, 1.0, batch, lengths)
+        assert best >= 6 and budgets[-50:].count(best) >= 45 and speed > 1.5, (
+            best, speed, budgets[-50:])
+    # a head that accepts far less than its table (T=1, another domain): kappa follows the
+    # observed acceptance and the budget shrinks to what pays
+    mid = lambda dec, ver, dra: 0.030 + 0.0004 * (dec + ver) + 0.0002 * dra  # noqa: E731
+    for kappa in (1.0, 0.2, 0.05):
+        speed, budgets = simulate(mid, kappa, 8, 300, lengths)
+        assert mode(budgets[-100:]) == true_best(mid, kappa, 8, lengths), (kappa, budgets[-20:])
+        assert speed > 0.97, (kappa, speed)
+    assert true_best(mid, 1.0, 8, lengths) > true_best(mid, 0.2, 8, lengths)

@@ -280,18 +280,23 @@ def test_treedraft_head_becomes_a_custom_class_proposer():
 
 def test_auto_tree_names_the_most_it_may_draft():
     from treedraft.heads.common import read_config
-    from treedraft.training.heads_zoo import resolve_head
-
     from treedraft.heads.tree import parse_tree_spec
+    from treedraft.training.heads_zoo import resolve_head
 
     default = parse_tree_spec(read_config(resolve_head("smollm2-135m-eagle"))["default_tree"])
     default = default.to_string()
-    for spec, tree in [({"tree": "auto"}, default),
+    for spec, tree in [({}, default),  # only the head named: auto, at most its default tree
+                       ({"tree": "auto"}, default),
                        ({"tree": " auto : dynamic:16,4,4 "}, "dynamic:16,4,4"),
                        ({"tree": "auto", "num_speculative_tokens": 3}, "chain:3")]:
         cfg = _engine_config({"model": "smollm2-135m-eagle", **spec})
         td = cfg.additional_config["treedraft"]
         assert td["auto"] is True and td["tree"] == tree, td
+    for spec in [{"tree": default}, {"num_speculative_tokens": 3},  # what the user asked for
+                 {"num_speculative_tokens_per_batch_size": [[1, 4, 3], [5, 256, 0]]}]:
+        td = _engine_config({"model": "smollm2-135m-eagle", **spec}).additional_config[
+            "treedraft"]
+        assert td["auto"] is False, (spec, td)
     with pytest.raises(ValueError, match="bad tree spec"):
         _engine_config({"model": "smollm2-135m-eagle", "tree": "auto:bushy:3"})
     with pytest.raises(ValueError, match="'auto' or 'auto:SPEC'"):
