@@ -115,6 +115,55 @@ def node_depth(parents: Sequence[int], node: int) -> int:
 HEADS: dict[str, type[DraftHead]] = {}
 
 
+class PendingPairs:
+    """Pairs (target features, next token) a session has not read yet: serving commits them
+    only when the request drafts, so a step that drafts nothing for it (`"tree": "auto"`
+    choosing 0, a partial prefill) costs no head forward. `add(c, ...)` means what
+    `session.rewind(c); session.commit(...)` means; `flush(session)` does both for everything
+    pending at once, so a session fed lazily ends where one fed eagerly ends.
+
+    At most `max_rows` newest pairs are kept: beyond that the session restarts at the oldest
+    kept pair with no context before it (as after a prefix-cache gap): drafts stay exact, only
+    weaker; memory per request stays bounded."""
+
+    def __init__(self, max_rows: int = 512) -> None:
+        self.max_rows = max_rows
+        self.start = 0  # position of the first pending pair
+        self.feats: list[Tensor] = []
+        self.tokens: list[Tensor] = []
+        self.rows = 0
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def add(self, position: int, target_hidden: Tensor, tokens: Tensor) -> None:
+        if not self.rows or not self.start <= position <= self.start + self.rows:
+            self.start, self.feats, self.tokens, self.rows = position, [], [], 0
+        elif position < self.start + self.rows:  # a rollback inside what is pending
+            keep = position - self.start
+            self.feats = [torch.cat(self.feats)[:keep]]
+            self.tokens = [torch.cat(self.tokens)[:keep]]
+            self.rows = keep
+        self.feats.append(target_hidden)
+        self.tokens.append(tokens)
+        self.rows += len(tokens)
+        if self.rows > self.max_rows:
+            drop = self.rows - self.max_rows
+            self.feats = [torch.cat(self.feats)[drop:]]
+            self.tokens = [torch.cat(self.tokens)[drop:]]
+            self.start, self.rows = self.start + drop, self.max_rows
+
+    def flush(self, session) -> tuple[Any, Tensor, Tensor] | None:
+        """(session, features, tokens) to commit (the session rewound to their start), or None
+        when nothing is pending."""
+        if not self.rows:
+            return None
+        session.rewind(self.start)
+        item = (session, torch.cat(self.feats), torch.cat(self.tokens))
+        self.start, self.feats, self.tokens, self.rows = self.start + self.rows, [], [], 0
+        return item
+
+
 def commit_sessions(items: Sequence) -> None:
     """Commit (session, target_hidden, tokens) items, one per request: together where the
     sessions' class offers `commit_many` (EagleSession: one packed head forward), else one by

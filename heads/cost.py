@@ -22,9 +22,10 @@ costs without speculation. A better head raises E(n) and the same model then cho
 trees: nothing to retune.
 
 `BudgetPolicy` is the whole policy: it drafts nothing until the model has seen what drafting
-costs, explores one budget up (and down) at an interval that doubles while the choice holds, so
-exploration costs little once the answer is clear, and goes back to frequent exploration when the
-choice changes.
+costs, and then only where drafting promises more than `MARGIN` over drafting nothing; it
+explores one budget up (and down) at an interval that doubles while the choice holds, so
+exploration costs little once the answer is clear, and goes back to frequent exploration when
+the choice changes.
 """
 
 from __future__ import annotations
@@ -147,16 +148,19 @@ class StepCostModel:
         return a + b * decode + p * prefill + c * verified + d * drafted
 
 
-def best_budget(model: StepCostModel, batch: int, lengths: dict[int, float]) -> int:
+def best_budget(model: StepCostModel, batch: int, lengths: dict[int, float],
+                margin: float = 0.0) -> int:
     """The budget in `lengths` with the most expected tokens per second for `batch` decoding
-    requests (ties: the smaller budget); 0 until the model knows what drafting costs."""
+    requests (ties: the smaller budget); 0 until the model knows what drafting costs, and 0
+    unless drafting is expected to beat no drafting by more than `margin` (x100 %)."""
     if model.fit() is None or batch <= 0 or not model.knows_drafting:
         return 0
 
     def rate(n: int) -> float:
         return batch * lengths[n] / max(model.predict(batch, 0, batch * n, batch * n), 1e-9)
 
-    return max(sorted(lengths), key=lambda n: (rate(n), -n))
+    best = max(sorted(lengths), key=lambda n: (rate(n), -n))
+    return best if rate(best) > (1.0 + margin) * rate(0) else 0
 
 
 class Acceptance:
@@ -183,6 +187,9 @@ class BudgetPolicy:
     what the last step's drafts earned, `step_done` with the step's counts and seconds."""
 
     EXPLORE_MIN, EXPLORE_MAX = 4, 256  # steps between explorations: doubles while choice holds
+    # drafting must promise this much over drafting nothing: the model's error on a CPU is about
+    # 10 % (per-row cost is not quite linear in the batch), and "never slower" is the contract
+    MARGIN = 0.10
 
     def __init__(self, lengths: dict[int, float]) -> None:
         self.table = dict(lengths)  # E(n) of the head's rate table
@@ -198,7 +205,7 @@ class BudgetPolicy:
         return {n: 1.0 + k * (e - 1.0) for n, e in self.table.items()}
 
     def best(self, batch: int) -> int:
-        return best_budget(self.model, batch, self.lengths())
+        return best_budget(self.model, batch, self.lengths(), self.MARGIN)
 
     def choose(self, batch: int) -> tuple[int, bool]:
         """(budget, explored) for a step with `batch` drafting requests."""

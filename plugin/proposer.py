@@ -6,11 +6,13 @@ tree drafting are `treedraft.heads` code, unchanged; this class only maps vLLM's
 (scheduled rows, hidden states, sampled tokens) onto one session per request.
 
 Per request and step (rows are this step's scheduled tokens, starting at position c):
-- commit the pairs (target features of row j, token at position c+j+1) for every row whose next
-  token is now known: all rows of a prefill chunk, root + accepted drafts of a decode step;
+- collect the pairs (target features of row j, token at position c+j+1) for every row whose
+  next token is now known: all rows of a prefill chunk, root + accepted drafts of a decode step;
+  they wait in the request's `heads.common.PendingPairs` until it drafts (a step that drafts
+  nothing for a request, e.g. `"tree": "auto"` choosing 0, runs no head forward for it);
 - draft a tree (or chain) below the last sampled token and return its tokens in node order.
-Both run batched across the step's requests: all commits in one packed head forward, each
-tree level of all requests in one more (`EagleSession.commit_many`/`expand_topk_many` through
+Both run batched across the step's drafting requests: their commits in one packed head
+forward, each tree level of all requests in one more (`EagleSession.commit_many`/`expand_topk_many` through
 `heads.common.commit_sessions` and `heads.lookup.draft_hybrids`); attention stays per request,
 against that request's own in-place head KV cache.
   Chains of requests that sample (T > 0) draw each token from the head's distribution q under
@@ -38,7 +40,7 @@ from collections import deque
 import torch
 from vllm.logger import init_logger
 
-from treedraft.heads.common import commit_sessions
+from treedraft.heads.common import PendingPairs, commit_sessions
 from treedraft.heads.lookup import SOURCES, LookupIndex, accepted_by_source, draft_hybrids
 from treedraft.heads.sampling import draft_chain
 from treedraft.heads.tree import MAX_TREE_DEPTH, DraftTree, parse_tree_spec
@@ -170,6 +172,7 @@ class TreeDraftProposer:
         self.head = None
         self.rates = None  # the head's acceptance_rates (static trees), set in load_model
         self.sessions: dict[str, object] = {}
+        self.pending: dict[str, PendingPairs] = {}  # per request, pairs its session has not read
         self.trees: dict[str, DraftTree] = {}  # drafted this step, verified next step (tree mode)
         self.lookups: dict[str, LookupIndex] = {}  # per request, its token history indexed
         self.sources: dict[str, torch.Tensor] = {}  # per request, HEAD/LOOKUP bits of its tree
@@ -262,24 +265,24 @@ class TreeDraftProposer:
             self.lookups.pop(gone, None)
             self.trees.pop(gone, None)
             self.sources.pop(gone, None)
+            self.pending.pop(gone, None)
         if self.source_stats is not None:  # draft sessions held now (leak check: /metrics)
             self.source_stats.set_live(len({*self.sessions, *self.lookups, *self.trees}))
         budget = getattr(scheduler_output, "num_spec_tokens_to_schedule", None)
         budget = self.spec.max_nodes if budget is None else min(budget, self.spec.max_nodes)
-        # 1. every request's known pairs go to its head session: one packed head forward
-        work, commits = [], []  # work: (i, req_id, sampled, session) of scheduled requests
+        # 1. every request's known pairs wait for its head session (PendingPairs); the sessions
+        # of the requests that draft this step read theirs in one packed head forward (below)
+        work = []  # work: (i, req_id, sampled, session) of scheduled requests
         for i, req_id in enumerate(ib.req_ids):
             n = scheduler_output.num_scheduled_tokens.get(req_id, 0)
             if n == 0:
                 continue
             session = None
             if self.head is not None:
-                session, feats, tokens = self._commit_item(
+                session = self._commit_item(
                     runner, scheduler_output, i, req_id, n, sampled_token_ids[i], hidden_states,
                     aux_hidden_states, accepted)
-                commits.append((session, feats, tokens))
             work.append((i, req_id, sampled_token_ids[i], session))
-        commit_sessions(commits)
         # 2. drafts: sampled chains per request; trees (and greedy chains) of all requests
         # together, a tree level of every request in one head forward (heads.lookup.draft_hybrids)
         drafts: list[list[int]] = [[] for _ in ib.req_ids]
@@ -295,6 +298,9 @@ class TreeDraftProposer:
         if not budget:
             eligible = []
         drafting = {req_id for _, req_id, *_ in eligible}
+        if self.head is not None:  # the drafting requests' sessions read what is pending
+            commit_sessions([item for _, req_id, _, session in eligible
+                             if (item := self.pending[req_id].flush(session)) is not None])
         for _, req_id, *_ in work:
             if req_id not in drafting:
                 self.trees.pop(req_id, None)
@@ -342,8 +348,8 @@ class TreeDraftProposer:
 
     def _commit_item(self, runner, scheduler_output, i: int, req_id: str, n: int, sampled,
                      hidden_states, aux_hidden_states, accepted):
-        """(session, features, next tokens) of this step's known pairs of one request, its
-        session rewound to where they start (vLLM's computed tokens)."""
+        """This step's known pairs of one request (features, next tokens), from vLLM's computed
+        tokens on, added to its pending pairs; returns its session."""
         ib = runner.input_batch
         qs, c = int(runner.query_start_loc.np[i]), int(ib.num_computed_tokens_cpu[i])
         nodes = (accepted or {}).get(req_id)
@@ -357,10 +363,10 @@ class TreeDraftProposer:
         session = self.sessions.get(req_id)
         if session is None:
             session = self.sessions[req_id] = self.head.draft_session()
-        session.rewind(c)
         feats = self.features(hidden_states, aux_hidden_states,
                               torch.tensor(rows, device=hidden_states.device))
-        return session, feats, tokens.long()
+        self.pending.setdefault(req_id, PendingPairs()).add(c, feats, tokens.long())
+        return session
 
     def _sampled_params(self, runner, req_id: str):
         """heads SamplingParams of a request that samples (T > 0), else None (greedy)."""

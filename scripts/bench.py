@@ -294,8 +294,9 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
     for i, c in enumerate(configs):
         # the worker zeroes this file when its runner starts, then rewrites it after every step
         env = {PROFILE_ENV: str((out / f"profile-{i}.json").resolve())} if profile else None
-        results, _ = progress.run(i, c, lambda cb, c=c, env=env: run_engine(
+        results, log = progress.run(i, c, lambda cb, c=c, env=env: run_engine(
             target_dir, specs[c], jobs, llm=llm, timeout=7200, progress=cb, env=env))
+        (out / f"engine-{i}.log").write_text(log)  # the engine's own log (e.g. auto's choices)
         rows += [_row(c, j, results[j["name"]]) for j in jobs]
     base = {(r["batch_size"], r["temperature"]): r["tokens_per_s"] for r in rows
             if r["config"] == configs[0]}

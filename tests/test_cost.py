@@ -64,6 +64,10 @@ def test_budget_follows_cost_and_batch():
     mid = fitted(0.050, 0.001, 0.001, 0.0001)  # a fixed cost per step small batches do not fill
     small, large = best_budget(mid, 1, lengths), best_budget(mid, 64, lengths)
     assert small > 0 and large == 0 and small > large
+    # drafting must beat drafting nothing by the margin: a promised 0.5 % gain is not taken
+    gain = lambda n: lengths[n] * mid.predict(1) / mid.predict(1, 0, n, n)  # noqa: E731
+    assert best_budget(mid, 1, lengths, margin=gain(small) - 1.005) == small
+    assert best_budget(mid, 1, lengths, margin=gain(small) - 0.995) == 0
 
 
 def simulate(cost, kappa: float, batch: int, steps: int, lengths) -> tuple[float, list[int]]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scipy.stats import chi2_contingency
+from scipy.stats import chisquare
 
 from treedraft.heads.reference import plain_generate, speculative_generate
 from treedraft.heads.sampling import SamplingParams
@@ -140,6 +140,22 @@ def _pair_counts(generate, n: int, vocab: int) -> torch.Tensor:
     return counts
 
 
+@torch.no_grad()
+def _pair_probs(model, prompt: list[int], params: SamplingParams, vocab: int) -> torch.Tensor:
+    """Exact P(2nd, 3rd generated token) [vocab * vocab] under plain sampling with `params`
+    (the first generated token summed out): what plain decoding draws from, computed."""
+    from treedraft.heads.sampling import process_logits
+
+    def probs(seqs: list[list[int]]) -> torch.Tensor:
+        return process_logits(model(torch.tensor(seqs)).logits[:, -1], params).double()
+
+    p0 = probs([prompt])[0]  # [V]
+    p1 = probs([prompt + [a] for a in range(vocab)])  # [V(t0), V(t1)]
+    p2 = probs([prompt + [a, b] for a in range(vocab) for b in range(vocab)])
+    joint = p0[:, None, None] * p1[:, :, None] * p2.view(vocab, vocab, vocab)
+    return joint.sum(0).flatten()
+
+
 @pytest.mark.parametrize(
     "params, shape",
     [(SamplingParams(temperature=0.8, top_p=0.9), "[[0],[1],[0,0],[0,1],[1,0]]"),  # branching
@@ -149,6 +165,8 @@ def _pair_counts(generate, n: int, vocab: int) -> torch.Tensor:
      (SamplingParams(temperature=1.0, top_k=3), "lookup:4")],  # lookup alone
 )
 def test_sampling_distribution_matches_plain(params, shape):
+    """Speculative samples against the exact distribution of plain sampling (chi-square
+    goodness of fit; cells expecting < 5 samples pooled)."""
     vocab, n = 8, 1500
     model = _tiny_llama(0, vocab)
     target = HFTarget(model)
@@ -160,11 +178,34 @@ def test_sampling_distribution_matches_plain(params, shape):
     def spec(g):
         return speculative_generate(target, drafter, prompt, 3, tree, params, generator=g)
 
-    spec_counts = _pair_counts(spec, n, vocab)
-    plain_counts = _pair_counts(lambda g: plain_generate(target, prompt, 3, params, generator=g), n, vocab)
-    keep = (spec_counts + plain_counts) > 0
-    _, pvalue, _, _ = chi2_contingency(torch.stack([spec_counts[keep], plain_counts[keep]]).numpy())
+    counts = _pair_counts(spec, n, vocab).double()
+    expected = n * _pair_probs(model, prompt, params, vocab)
+    assert counts[expected == 0].sum() == 0, "a pair plain sampling never draws was drawn"
+    big = expected >= 5
+    assert big.sum() >= 4, expected  # enough cells for the test to have power
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    _, pvalue = chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item())
     assert pvalue > 1e-3, f"speculative and plain sampling differ (chi-square p={pvalue:.2e})"
+
+
+def test_pair_probs_are_what_plain_sampling_draws():
+    """The exact reference above agrees with plain sampling itself (same test, no drafts)."""
+    vocab, n = 8, 1500
+    model = _tiny_llama(0, vocab)
+    params = SamplingParams(temperature=0.8, top_p=0.9)
+    counts = _pair_counts(lambda g: plain_generate(HFTarget(model), [1, 5, 2], 3, params,
+                                                   generator=g), n, vocab).double()
+    expected = n * _pair_probs(model, [1, 5, 2], params, vocab)
+    assert counts[expected == 0].sum() == 0
+    big = expected >= 5
+    _, pvalue = chisquare(torch.cat([counts[big], counts[~big].sum()[None]]).numpy(),
+                          torch.cat([expected[big], expected[~big].sum()[None]]).numpy())
+    assert pvalue > 1e-3, pvalue
+    wrong = n * _pair_probs(model, [1, 5, 2], SamplingParams(temperature=1.3), vocab)
+    _, p_wrong = chisquare(torch.cat([counts[big], counts[~big].sum()[None]]).numpy(),
+                           torch.cat([wrong[big], wrong[~big].sum()[None]]).numpy())
+    assert p_wrong < 1e-3, p_wrong  # the test can tell another temperature apart
 
 
 def test_seeded_runs_reproduce():
