@@ -122,9 +122,9 @@ class PendingPairs:
     `session.rewind(c); session.commit(...)` means; `flush(session)` does both for everything
     pending at once, so a session fed lazily ends where one fed eagerly ends.
 
-    At most `max_rows` newest pairs are kept: beyond that the session restarts at the oldest
-    kept pair with no context before it (as after a prefix-cache gap): drafts stay exact, only
-    weaker; memory per request stays bounded."""
+    `full` says when `max_rows` pairs wait: the caller then flushes them even though the request
+    does not draft (a long prompt's prefill, a request auto keeps at 0 nodes for a long time), so
+    memory per request stays bounded and the head never loses context."""
 
     def __init__(self, max_rows: int = 512) -> None:
         self.max_rows = max_rows
@@ -147,11 +147,10 @@ class PendingPairs:
         self.feats.append(target_hidden)
         self.tokens.append(tokens)
         self.rows += len(tokens)
-        if self.rows > self.max_rows:
-            drop = self.rows - self.max_rows
-            self.feats = [torch.cat(self.feats)[drop:]]
-            self.tokens = [torch.cat(self.tokens)[drop:]]
-            self.start, self.rows = self.start + drop, self.max_rows
+
+    @property
+    def full(self) -> bool:
+        return self.rows >= self.max_rows
 
     def flush(self, session) -> tuple[Any, Tensor, Tensor] | None:
         """(session, features, tokens) to commit (the session rewound to their start), or None

@@ -299,8 +299,10 @@ class TreeDraftProposer:
             eligible = []
         drafting = {req_id for _, req_id, *_ in eligible}
         if self.head is not None:  # the drafting requests' sessions read what is pending
-            commit_sessions([item for _, req_id, _, session in eligible
-                             if (item := self.pending[req_id].flush(session)) is not None])
+            # (and so does any session with `full` pending pairs: bounded memory, no lost context)
+            commit_sessions([item for _, req_id, _, session in work
+                             if (req_id in drafting or self.pending[req_id].full)
+                             and (item := self.pending[req_id].flush(session)) is not None])
         for _, req_id, *_ in work:
             if req_id not in drafting:
                 self.trees.pop(req_id, None)

@@ -354,7 +354,7 @@ def test_unbound_target_weights():
 def test_pending_pairs_commit_lazily_what_eager_commits_make():
     """Serving defers a request's commits until it drafts (heads.common.PendingPairs): the
     session then ends exactly where eager commits end, through steps, rollbacks inside and
-    before what is pending, a gap, and the row cap (the session restarts at the oldest kept)."""
+    before what is pending, a gap and flushes in between; `full` tells the caller to flush."""
     from treedraft.heads.common import PendingPairs, commit_sessions
 
     head = make_eagle()
@@ -364,35 +364,33 @@ def test_pending_pairs_commit_lazily_what_eager_commits_make():
     steps = [(0, 9), (9, 10), (10, 13), (13, 14), (11, 15), (15, 16), (3, 8), (8, 12),
              (20, 23), (23, 30)]
 
-    def check(flush_after: set[int], max_rows: int) -> None:
+    def check(flush_after: set[int]) -> None:
         eager, lazy = head.draft_session(), head.draft_session()
-        pending = PendingPairs(max_rows)
+        pending = PendingPairs(max_rows=12)
         for k, (c, hi) in enumerate(steps):
             eager.rewind(c)
             eager.commit(h[c:hi], tok[c:hi])
             pending.add(c, h[c:hi], tok[c:hi])
+            assert pending.full == (len(pending) >= 12)
             if k in flush_after or k == len(steps) - 1:
                 commit_sessions([pending.flush(lazy)])
                 assert len(pending) == 0 and pending.flush(lazy) is None
-                if max_rows >= 64:  # no cap: the same session state
-                    assert (lazy.start, lazy.length) == (eager.start, eager.length)
-                    assert lazy.last_token == eager.last_token
-                    torch.testing.assert_close(lazy.root_feature, eager.root_feature,
-                                               rtol=0, atol=1e-5)
-                    spec = parse_tree_spec("dynamic:6,3,2")
-                    x = draft_tree(eager.last_token, eager, spec)
-                    y = draft_tree(lazy.last_token, lazy, spec)
-                    assert x.tokens.tolist() == y.tokens.tolist()
-                    torch.testing.assert_close(x.logprobs, y.logprobs, rtol=0, atol=1e-5)
-        return lazy
+                assert (lazy.start, lazy.length) == (eager.start, eager.length)
+                assert lazy.last_token == eager.last_token
+                torch.testing.assert_close(lazy.root_feature, eager.root_feature,
+                                           rtol=0, atol=1e-5)
+                spec = parse_tree_spec("dynamic:6,3,2")
+                x = draft_tree(eager.last_token, eager, spec)
+                y = draft_tree(lazy.last_token, lazy, spec)
+                assert x.tokens.tolist() == y.tokens.tolist()
+                torch.testing.assert_close(x.logprobs, y.logprobs, rtol=0, atol=1e-5)
 
-    check(set(), 512)  # everything in one flush at the end
-    check({0, 3, 5}, 512)  # flushed now and then (rollbacks cross a flush)
-    check({4, 7}, 512)  # flushed right after rollbacks inside what was pending
-    check({6}, 512)
-    capped = check(set(), 4)  # only the 4 newest pairs kept: the session starts at them
-    assert (capped.start, capped.length) == (26, 30)
-    fresh = head.draft_session()
-    fresh.rewind(26)
-    fresh.commit(h[26:30], tok[26:30])
-    torch.testing.assert_close(capped.root_feature, fresh.root_feature, rtol=0, atol=1e-5)
+    check(set())  # everything in one flush at the end
+    check({0, 3, 5})  # flushed now and then (rollbacks cross a flush)
+    check({4, 7})  # flushed right after rollbacks inside what was pending
+    check({6})
+    full = PendingPairs(max_rows=12)
+    full.add(0, h[:9], tok[:9])
+    assert not full.full
+    full.add(9, h[9:14], tok[9:14])
+    assert full.full and len(full) == 14  # nothing dropped: the caller flushes it
