@@ -7,6 +7,7 @@ rejection sampler) and treedraft trees, side by side in one invocation.
     treedraft bench --stride 10 --limit 8 --batch-sizes 1 --config no-spec --config chain=1
     treedraft bench --target HF_FOLDER --head HEAD_DIR --config 'tree=dynamic:16,4,4'
     treedraft bench --profile ...    # + where each engine step's time goes (OUT/profile.md)
+    treedraft bench --prompts mtbench,humaneval --by-category ...   # τ per MT-bench category
 
 Each configuration runs in its own engine process (scripts/engine.py) over MT-bench first turns,
 for every batch size (requests submitted in waves of that many, prompts cycled to fill a wave)
@@ -15,7 +16,11 @@ estimate of what is left of the whole run. Writes OUT/bench.json (tokens/s, TPOT
 acceptance length, per-depth acceptance, speedup vs no-spec per row, the machine), OUT/bench.md
 (the table) and two PNG plots (speedup vs batch size; acceptance per depth); prints the table
 and the best speedup last. TPOT here is wave wall time / the wave's longest output, i.e. the
-time per output token a stream of that wave saw.
+time per output token a stream of that wave saw. Rows also hold `tau_per_pass` (tokens per
+target pass, `target_passes`), which unlike vLLM's mean acceptance length counts the passes where
+prompt lookup drafted nothing. Several prompt sets (`mtbench,humaneval`) give one row per set;
+`by_category` one per MT-bench category plus each set's total (`totals`) and a table of
+tokens per pass by category in OUT/bench.md.
 
 `--profile`: every engine's worker times its step phases (plugin/profile.py: prepare, target
 forward, tree attention inside it, verification, KV compaction inside it, drafting, the rest);
@@ -47,6 +52,15 @@ PRESETS = {
                          "tree=dynamic:10,3,3", "tree=lookup:8",
                          "tree=dynamic:10,3,3+lookup:8", "auto")},
 }
+
+
+def prompt_sets(prompts: str) -> list[str]:
+    """'mtbench,humaneval' -> ['mtbench', 'humaneval'] (each set gets --stride and --limit)."""
+    names = [p.strip() for p in prompts.split(",")]
+    if not all(names) or len(set(names)) != len(names):
+        raise ValueError(f"--prompts {prompts!r}: give prompt sets separated by commas, each "
+                         "once (mtbench, humaneval, sharegpt or FILE.jsonl), e.g. mtbench,humaneval")
+    return names
 
 
 def speculative_config(config: str, head: str) -> dict | None:
@@ -86,16 +100,34 @@ def speculative_config(config: str, head: str) -> dict | None:
                      "auto[=SPEC] or spec=JSON")
 
 
-def _jobs(prompts: list[list[int]], batch_sizes, temperatures, max_new_tokens: int) -> list[dict]:
+def _jobs(groups: dict[str, list[list[int]]], batch_sizes, temperatures,
+          max_new_tokens: int, fill: bool = True) -> list[dict]:
+    """One job per temperature, batch size and prompt group (named `T{t}-bs{bs}`, plus
+    `-{group}` when there are several groups). fill: cycle the prompts to fill a wave."""
     jobs = []
     for t in temperatures:
         for bs in batch_sizes:
-            n = max(len(prompts), bs)
-            wave = [prompts[i % len(prompts)] for i in range(n)]
-            jobs.append({"name": f"T{t}-bs{bs}", "prompts": wave, "batch_size": bs,
-                         "params": {"temperature": t, "max_tokens": max_new_tokens,
-                                    "ignore_eos": True}})
+            for group, prompts in groups.items():
+                n = max(len(prompts), bs) if fill else len(prompts)
+                wave = [prompts[i % len(prompts)] for i in range(n)]
+                name = f"T{t}-bs{bs}" + (f"-{group}" if len(groups) > 1 else "")
+                jobs.append({"name": name, "group": group, "prompts": wave, "batch_size": bs,
+                             "params": {"temperature": t, "max_tokens": max_new_tokens,
+                                        "ignore_eos": True}})
     return jobs
+
+
+def target_passes(tokens: int, accepted: int, drafts: int, requests: int) -> int:
+    """Target forward passes that yielded tokens (τ/pass = tokens / passes). Unlike vLLM's
+    mean acceptance length (1 + accepted / drafting steps), passes that drafted nothing count
+    too, so prompt lookup, which drafts only where it finds a match, compares fairly with a head.
+
+    The passes are not counted by vLLM; two lower bounds are: every pass yields one token plus
+    the drafts it accepted (tokens - accepted; vLLM counts drafts accepted past max_tokens in
+    a request's last pass, so this is short by about one pass per request), and every request
+    has its prefill pass plus one per drafting step (drafts + requests; exact for a head, which
+    drafts every step). The larger bound is used."""
+    return max(tokens - accepted, drafts + requests, 1)
 
 
 def _row(config: str, job: dict, res: dict) -> dict:
@@ -108,17 +140,50 @@ def _row(config: str, job: dict, res: dict) -> dict:
     spec = res["spec"]
     steps = spec["drafts"]
     return {
-        "config": config, "batch_size": bs, "temperature": job["params"]["temperature"],
+        "config": config, "prompts": job.get("group", ""), "batch_size": bs,
+        "temperature": job["params"]["temperature"],
         "tokens": total, "seconds": seconds, "tokens_per_s": total / seconds,
         "tpot_ms": 1000 * sum(w / n for w, n in zip(res["wave_seconds"], longest, strict=True))
         / len(longest),
         "mean_acceptance_length": spec["mean_acceptance_length"],
+        "passes": (passes := target_passes(total, spec["accepted"], steps, len(res["tokens"]))),
+        "tau_per_pass": total / passes,
+        "accepted": spec["accepted"], "drafts": steps, "draft_tokens": spec["draft_tokens"],
         "acceptance_per_depth": [a / steps for a in spec["accepted_per_pos"]] if steps else [],
         "mean_tree_size": spec["draft_tokens"] / steps if steps else None,
         "accepted_by_source": spec.get("accepted_by_source") or None,  # trees: head/lookup/both
         **({"profile": res["profile"], "profile_ms": per_step_ms(res["profile"])}
            if "profile" in res else {}),
     }
+
+
+def totals(rows: list[dict], sets: dict[str, list[str]]) -> list[dict]:
+    """Rows of whole prompt sets summed from their groups' rows (sets: name -> group names):
+    tokens, seconds, accepted drafts and tokens per pass over all of the set's requests."""
+    out = []
+    keys = dict.fromkeys((r["config"], r["batch_size"], r["temperature"]) for r in rows)
+    for name, groups in sets.items():
+        for config, bs, t in keys:
+            part = [r for r in rows if (r["config"], r["batch_size"], r["temperature"]) ==
+                    (config, bs, t) and r["prompts"] in groups]
+            if len(part) < 2:
+                continue
+            tokens, accepted = sum(r["tokens"] for r in part), sum(r["accepted"] for r in part)
+            drafts, seconds = sum(r["drafts"] for r in part), sum(r["seconds"] for r in part)
+            passes = sum(r["passes"] for r in part)
+            sources = [r["accepted_by_source"] for r in part if r["accepted_by_source"]]
+            out.append({
+                "config": config, "prompts": f"{name} (all)", "batch_size": bs, "temperature": t,
+                "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+                "tpot_ms": sum(r["tpot_ms"] * r["seconds"] for r in part) / seconds,
+                "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+                "passes": passes, "tau_per_pass": tokens / passes, "accepted": accepted,
+                "drafts": drafts, "draft_tokens": sum(r["draft_tokens"] for r in part),
+                "acceptance_per_depth": [], "mean_tree_size":
+                    sum(r["draft_tokens"] for r in part) / drafts if drafts else None,
+                "accepted_by_source": {k: sum(s[k] for s in sources) for k in sources[0]}
+                if sources else None})
+    return out
 
 
 PROFILE_COLUMNS = ("step", "forward", "tree_attention", "verify", "kv_compaction", "drafting",
@@ -142,15 +207,35 @@ def profile_markdown(rows: list[dict]) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| config | T | batch | tok/s | TPOT ms | speedup | mean acc. len | tree size |",
-             "|---|---|---|---|---|---|---|---|"]
+    """The main table; a prompts column when the rows cover several prompt groups."""
+    groups = len({r.get("prompts", "") for r in rows}) > 1
+    head = ["config", *(["prompts"] if groups else []), "T", "batch", "tok/s", "TPOT ms",
+            "speedup", "mean acc. len", "tree size", "τ/pass"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         tau = f"{r['mean_acceptance_length']:.2f}" if r["mean_acceptance_length"] else "-"
         size = f"{r['mean_tree_size']:.1f}" if r["mean_tree_size"] else "-"
-        lines.append(f"| {r['config']} | {r['temperature']:g} | {r['batch_size']} | "
+        lines.append(f"| {r['config']} | " + (f"{r['prompts']} | " if groups else "")
+                     + f"{r['temperature']:g} | {r['batch_size']} | "
                      f"{r['tokens_per_s']:.1f} | {r['tpot_ms']:.1f} | {r['speedup']:.2f}x | "
-                     f"{tau} | {size} |")
+                     f"{tau} | {size} | {r['tau_per_pass']:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def tau_markdown(rows: list[dict]) -> str:
+    """Tokens per target pass, configurations by prompt group, one table per (T, batch)."""
+    groups = list(dict.fromkeys(r["prompts"] for r in rows))
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    out = []
+    for t, bs in dict.fromkeys((r["temperature"], r["batch_size"]) for r in rows):
+        cell = {(r["config"], r["prompts"]): r["tau_per_pass"] for r in rows
+                if (r["temperature"], r["batch_size"]) == (t, bs)}
+        out += [f"tokens per target pass, T={t:g}, batch {bs}:", "",
+                "| config | " + " | ".join(groups) + " |", "|" + "---|" * (len(groups) + 1)]
+        out += [f"| {c} | " + " | ".join(f"{cell[c, g]:.2f}" if (c, g) in cell else "-"
+                                         for g in groups) + " |" for c in configs]
+        out.append("")
+    return "\n".join(out)
 
 
 def plots(rows: list[dict], out: Path) -> list[Path]:
@@ -253,11 +338,11 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
           batch_sizes=None, temperatures=None, configs=None,
           out: str | Path = "runs/bench", dtype: str = "auto",
           enforce_eager: bool | None = None, stride: int | None = None,
-          preset: str = "quick", profile: bool = False) -> list[dict]:
+          preset: str = "quick", profile: bool = False, by_category: bool = False) -> list[dict]:
     from transformers import AutoTokenizer
 
     from treedraft.plugin.profile import PROFILE_ENV
-    from treedraft.training.data import first_turn, load_prompts
+    from treedraft.training.data import first_turn, load_prompts, prompt_categories
     from treedraft.training.heads_zoo import resolve_head
     from treedraft.training.machine import describe, resolve_dtype
     from treedraft.training.models import resolve_model
@@ -277,13 +362,25 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
     specs = {c: speculative_config(c, str(resolve_head(head))) for c in configs}  # fail early
     target_dir = str(resolve_model(target))
     tok = AutoTokenizer.from_pretrained(target_dir)
-    rows_in = load_prompts(prompts, limit=o["limit"], stride=o["stride"])["messages"]
-    ids = [encode_chat(tok, first_turn(m)) for m in rows_in]
-    jobs = _jobs(ids, o["batch_sizes"], o["temperatures"], o["max_new_tokens"])
+    groups: dict[str, list[list[int]]] = {}  # prompt group -> its prompts' token ids
+    sets: dict[str, list[str]] = {}  # prompt set -> its groups (categories with by_category)
+    for name in prompt_sets(prompts):
+        ds = load_prompts(name, limit=o["limit"], stride=o["stride"])
+        cats = prompt_categories(ds) if by_category else [name] * len(ds)
+        for cat, m in zip(cats, ds["messages"], strict=True):
+            groups.setdefault(cat, []).append(encode_chat(tok, first_turn(m)))
+            sets.setdefault(name, [])
+            if cat not in sets[name]:
+                sets[name].append(cat)
+    n_prompts = sum(map(len, groups.values()))
+    # groups: every prompt once per wave (cycling prompts to fill a wave would weight some twice)
+    jobs = _jobs(groups, o["batch_sizes"], o["temperatures"], o["max_new_tokens"],
+                 fill=len(groups) == 1)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     print(f"[bench] {machine}\n[bench] vLLM dtype {vllm_dtype} (--dtype {dtype}), "
-          f"{'eager' if o['enforce_eager'] else 'torch.compile'}; {len(ids)} {prompts} prompts x "
+          f"{'eager' if o['enforce_eager'] else 'torch.compile'}; {n_prompts} {prompts} prompts "
+          f"({len(groups)} groups: {', '.join(groups)}) x "
           f"{o['max_new_tokens']} tokens, batch sizes {list(o['batch_sizes'])}, T "
           f"{list(o['temperatures'])}; {len(configs)} configurations: {', '.join(configs)}",
           flush=True)
@@ -298,26 +395,36 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
             target_dir, specs[c], jobs, llm=llm, timeout=7200, progress=cb, env=env))
         (out / f"engine-{i}.log").write_text(log)  # the engine's own log (e.g. auto's choices)
         rows += [_row(c, j, results[j["name"]]) for j in jobs]
-    base = {(r["batch_size"], r["temperature"]): r["tokens_per_s"] for r in rows
+    if by_category:
+        rows += totals(rows, sets)
+    base = {(r["batch_size"], r["temperature"], r["prompts"]): r["tokens_per_s"] for r in rows
             if r["config"] == configs[0]}
     for r in rows:
-        r["speedup"] = r["tokens_per_s"] / base[(r["batch_size"], r["temperature"])]
+        r["speedup"] = r["tokens_per_s"] / base[(r["batch_size"], r["temperature"], r["prompts"])]
     meta = {"target": target, "head": head, "prompts": prompts, "limit": o["limit"],
-            "stride": o["stride"], "max_new_tokens": o["max_new_tokens"], "baseline": configs[0],
+            "stride": o["stride"], "by_category": by_category,
+            "max_new_tokens": o["max_new_tokens"], "baseline": configs[0],
             "dtype": vllm_dtype, "dtype_requested": dtype, "enforce_eager": o["enforce_eager"],
             "machine": machine, "seconds": sum(progress.finished), "profile": profile}
     (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     table = markdown(rows)
+    if len(groups) > 1:
+        table += "\n" + tau_markdown(rows)
     (out / "bench.md").write_text(table)
     if profile:
         ptable = profile_markdown(rows)
         (out / "profile.md").write_text(ptable)
         table += "\nms per engine step (tree attention within forward, KV compaction within " \
                  "verify):\n\n" + ptable
-    for p in plots(rows, out):
+    # plots and the closing line: the first prompt set's rows (its total when by category)
+    first = next(iter(sets))
+    main = f"{first} (all)" if any(r["prompts"] == f"{first} (all)" for r in rows) \
+        else sets[first][0]
+    for p in plots([r for r in rows if r["prompts"] == main], out):
         print(f"wrote {p}")
     print(f"wrote {out / 'bench.json'} and {out / 'bench.md'} "
           f"({sum(progress.finished) / 60:.1f} min; {machine})\n")
     print(table)
-    print(best_speedup(rows, configs[0]))
+    print(best_speedup([r for r in rows if r["prompts"] == main], configs[0])
+          + (f" ({main})" if len(groups) > 1 else ""))
     return rows

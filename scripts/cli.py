@@ -166,9 +166,14 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
                         f"configs {' '.join(f['configs'])} (hours on a CPU)")
     p.add_argument("--target", default="smollm2-135m", help="short name, HF folder or hub id")
     p.add_argument("--head", default="smollm2-135m-eagle", help="head folder or shipped name")
-    p.add_argument("--prompts", default="mtbench")
+    p.add_argument("--prompts", default="mtbench",
+                   help="prompt set(s): mtbench | humaneval | sharegpt | FILE.jsonl, or several "
+                        "separated by commas (mtbench,humaneval), each one job per row")
+    p.add_argument("--by-category", action="store_true",
+                   help="one job per MT-bench category (other sets: one each), plus each set's "
+                        "total; OUT/bench.md gains tokens per target pass by category")
     p.add_argument("--limit", type=int, default=None,
-                   help=f"first N prompts (first turns; default {q['limit']}, --full {f['limit']})")
+                   help=f"first N prompts of each set (first turns; default {q['limit']}, --full {f['limit']})")
     p.add_argument("--stride", type=int, default=None,
                    help="every N-th prompt, before --limit (mtbench --stride 10: one per "
                         f"category; default {q['stride']}, --full {f['stride']})")
@@ -203,7 +208,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     bench(args.target, args.head, args.prompts, args.limit, args.max_new_tokens,
           args.batch_sizes, args.temperatures, tuple(args.config) if args.config else None,
           args.out, dtype=args.dtype, enforce_eager=args.enforce_eager, stride=args.stride,
-          preset="full" if args.full else "quick", profile=args.profile)
+          preset="full" if args.full else "quick", profile=args.profile,
+          by_category=args.by_category)
 
 
 def _train_args(p: argparse.ArgumentParser) -> None:

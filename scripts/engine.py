@@ -9,8 +9,13 @@ own `python -m treedraft.scripts.engine REQUEST.json` process. A request names t
 
 `params` may also be a list with one dict per prompt (a batch of mixed request shapes).
 
+`run_engine` returns as soon as the child has printed its result; the engine shuts down
+(seconds) in the background while the caller goes on.
+
 The child prints one line ``TREEDRAFT_RESULT {...}``: per job the generated token ids, their
-logprobs (per output, the sampled tokens' logprobs; null where the request asked for none), the
+logprobs (per output, the sampled tokens' logprobs; null where the request asked for none),
+every position's returned logprobs largest first (`top_logprobs`: with `logprobs: k`, the
+top k and the sampled token's; raw logits under `logprobs_mode: raw_logits`), the
 finish reasons, the wall time of each wave and the change of vLLM's spec-decode counters during the job
 (and, when `TREEDRAFT_PROFILE` is in the engine's environment, the change of the worker's step
 profile: seconds per phase, steps, scheduled tokens; plugin/profile.py). While it
@@ -66,22 +71,40 @@ def run_engine(target: str, speculative_config: dict | None, jobs: list[dict], *
                                 env={**engine_env(), **(env or {})})
         timer = threading.Timer(timeout, proc.kill)  # a hung engine must not hang the caller
         timer.start()
+        done = False
         try:
             for line in proc.stdout:
                 lines.append(line)
                 if progress is not None and line.startswith(PROGRESS):
                     progress(json.loads(line[len(PROGRESS):]))
-            proc.wait()
+                if line.startswith(RESULT):
+                    done = True
+                    break
         finally:
-            timer.cancel()
+            if done:  # the engine shuts down (seconds) while the caller goes on
+                threading.Thread(target=_drain, args=(proc, timer), daemon=True).start()
+            else:
+                proc.wait()
+                timer.cancel()
     finally:
         os.unlink(f.name)
     log = "".join(lines)
     results = [ln for ln in lines if ln.startswith(RESULT)]
-    if proc.returncode != 0 or not results:
+    if not done and (proc.returncode != 0 or not results):
         why = f"killed after {timeout} s" if proc.returncode == -9 else f"exit {proc.returncode}"
         raise RuntimeError(f"vLLM engine run failed ({why}):\n{log[-6000:]}")
     return json.loads(results[-1][len(RESULT):]), log
+
+
+def _drain(proc: subprocess.Popen, timer: threading.Timer) -> None:
+    """Read an engine's shutdown log to its end (vLLM's children write to the same pipe) and
+    reap it; the timer still kills an engine that hangs on the way out."""
+    try:
+        for _ in proc.stdout:
+            pass
+        proc.wait()
+    finally:
+        timer.cancel()
 
 
 def _report(event: dict) -> None:
@@ -131,7 +154,7 @@ def _run_job(llm, job: dict) -> dict:
     before = spec_counters(llm)
     prof = os.environ.get(profile.PROFILE_ENV)  # the worker's step profile (plugin/profile.py)
     prof_before = profile.read(prof)
-    tokens, logprobs, finish, waves = [], [], [], []
+    tokens, logprobs, top, finish, waves = [], [], [], [], []
     for i in range(0, len(prompts), bs):
         t = time.perf_counter()
         outs = llm.generate(prompts[i : i + bs], params[i : i + bs], use_tqdm=False)
@@ -144,9 +167,13 @@ def _run_job(llm, job: dict) -> dict:
                       for tok, lp in zip(c.token_ids, c.logprobs, strict=False)]
                      + [None] * (len(c.token_ids) - len(c.logprobs))
                      for c in new]
+        # every position's returned logprobs (top-k and the sampled token's), largest first
+        top += [None if c.logprobs is None else
+                [sorted((e.logprob for e in lp.values()), reverse=True) for lp in c.logprobs]
+                for c in new]
         finish += [c.finish_reason for c in new]
         _report({"job": job["name"], "tokens": sum(len(c.token_ids) for c in new)})
-    out = {"tokens": tokens, "logprobs": logprobs, "finish_reasons": finish,
+    out = {"tokens": tokens, "logprobs": logprobs, "top_logprobs": top, "finish_reasons": finish,
            "wave_seconds": waves, "spec": counter_delta(before, spec_counters(llm))}
     if prof:
         out["profile"] = profile.delta(prof_before, profile.read(prof))

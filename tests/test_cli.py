@@ -167,8 +167,56 @@ def test_bench_configs_rows_and_table():
     assert row["tokens_per_s"] == 10 and row["tpot_ms"] == pytest.approx(500 / 3)
     assert row["acceptance_per_depth"] == [1.0, 0.0, 0.0] and row["mean_tree_size"] == 3
     assert row["accepted_by_source"] is None  # chains: vLLM verifies, no sources
+    # 5 tokens in 4 passes: 2 prefills + 2 drafting steps (tokens - accepted = 3 is less)
+    assert row["passes"] == 4 and row["tau_per_pass"] == 1.25
     row["speedup"] = 1.5
-    assert "| chain=3 | 0 | 2 | 10.0 | 166.7 | 1.50x | 2.00 | 3.0 |" in markdown([row])
+    assert "| chain=3 | 0 | 2 | 10.0 | 166.7 | 1.50x | 2.00 | 3.0 | 1.25 |" in markdown([row])
+
+
+def test_bench_tokens_per_pass_and_category_totals():
+    """τ/pass counts passes that drafted nothing (lookup), which vLLM's acceptance length
+    leaves out; category rows sum to a set's total; jobs per group never repeat a prompt."""
+    from treedraft.scripts.bench import (
+        _jobs,
+        _row,
+        markdown,
+        prompt_sets,
+        target_passes,
+        tau_markdown,
+        totals,
+    )
+
+    # lookup drafted in 10 of 40 passes and accepted 20 drafts: vLLM says 3.0, per pass 1.5
+    assert target_passes(tokens=60, accepted=20, drafts=10, requests=2) == 40
+    assert target_passes(tokens=60, accepted=40, drafts=28, requests=2) == 30  # a head: exact
+    job = {"batch_size": 2, "params": {"temperature": 0}}
+
+    def row(group, tokens, accepted, drafts):
+        spec = {"drafts": drafts, "draft_tokens": 4 * drafts, "accepted": accepted,
+                "accepted_per_pos": [accepted, 0, 0, 0],
+                "mean_acceptance_length": 1 + accepted / drafts,
+                "accepted_by_source": {"head": 0, "lookup": accepted, "both": 0}}
+        return _row("tree=lookup:4", {**job, "group": group},
+                    {"tokens": [[0] * (tokens // 2)] * 2, "wave_seconds": [1.0], "spec": spec})
+
+    rows = [row("math", 60, 20, 10), row("coding", 40, 20, 18)]
+    assert [r["tau_per_pass"] for r in rows] == [1.5, 2.0]
+    total, = totals(rows, {"mtbench": ["math", "coding"], "humaneval": ["humaneval"]})
+    assert total["prompts"] == "mtbench (all)" and total["passes"] == 60  # 40 + 20
+    assert total["tau_per_pass"] == pytest.approx(100 / 60)
+    assert total["mean_acceptance_length"] == pytest.approx(1 + 40 / 28)
+    assert total["accepted_by_source"] == {"head": 0, "lookup": 40, "both": 0}
+    for r in [*rows, total]:
+        r["speedup"] = 1.0
+    assert "| tree=lookup:4 | mtbench (all) | 0 | 2 |" in markdown([*rows, total])
+    assert "| tree=lookup:4 | 1.50 | 2.00 | 1.67 |" in tau_markdown([*rows, total])
+    jobs = _jobs({"math": [[1], [2], [3]], "coding": [[4]]}, (8,), (0.0,), 16, fill=False)
+    assert [(j["name"], len(j["prompts"])) for j in jobs] == [("T0.0-bs8-math", 3),
+                                                             ("T0.0-bs8-coding", 1)]
+    assert len(_jobs({"all": [[1]]}, (8,), (0.0,), 16)[0]["prompts"]) == 8  # one set: filled
+    assert prompt_sets("mtbench, humaneval") == ["mtbench", "humaneval"]
+    with pytest.raises(ValueError, match="separated by commas"):
+        prompt_sets("mtbench,,humaneval")
 
 
 def test_bench_profile_rows_and_table():

@@ -21,6 +21,7 @@ from treedraft.training.data import (
     assert_no_mtbench,
     first_turn,
     load_prompts,
+    prompt_categories,
     prompt_features,
 )
 from treedraft.training.embedded import PackagedFile
@@ -64,6 +65,9 @@ def test_mtbench():
 def test_mtbench_stride_takes_one_question_per_category():
     ds = load_prompts("mtbench", stride=10)
     assert ds["id"] == [f"mtbench-{81 + 10 * i}" for i in range(8)]
+    assert prompt_categories(ds) == ["writing", "roleplay", "reasoning", "math", "coding",
+                                     "extraction", "stem", "humanities"]
+    assert prompt_categories(load_prompts("humaneval", limit=2)) == ["humaneval"] * 2
     assert load_prompts("mtbench", stride=10, limit=3)["id"] == ds["id"][:3]  # stride, then limit
     with pytest.raises(ValueError, match="stride must be an int >= 1"):
         load_prompts("mtbench", stride=0)

@@ -2,7 +2,8 @@
 that transformers and vLLM load and answer correctly; bad input gets a clear error.
 
 * smollm2-135m -> folder with config.json, safetensors, tokenizer + chat template; transformers
-  and vLLM both answer "Paris" at T=0; the treedraft vLLM plugin loads in every vLLM process.
+  answers "Paris" at T=0 (vLLM's answer and the plugin loading in every vLLM process are
+  checked on test_plugin_engine.py's base engine).
 * qwen2.5-coder-0.5b (runs where its packages are installed; CI installs them).
 * unknown names, folders without config.json, missing or corrupt package files.
 """
@@ -10,7 +11,6 @@ that transformers and vLLM load and answer correctly; bad input gets a clear err
 from __future__ import annotations
 
 import importlib.util
-import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -48,17 +48,6 @@ def test_smollm2_folder_is_a_normal_hf_folder():
 @pytest.mark.slow
 def test_smollm2_transformers_knows_the_capital(torch_threads):
     assert "Paris" in _transformers_answer(resolve_model("smollm2-135m"))
-
-
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_smollm2_vllm_knows_the_capital_and_loads_the_plugin():
-    from vllm_run import run_vllm
-
-    texts, log = run_vllm(resolve_model("smollm2-135m"), [CAPITAL])
-    assert "Paris" in texts[0], texts
-    pids = set(re.findall(r"treedraft plugin loaded \(vLLM 0\.32\.0\S*, pid (\d+)\)", log))
-    assert len(pids) >= 2, f"plugin must load in the engine processes too; saw pids {pids}"
 
 
 @pytest.mark.slow

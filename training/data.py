@@ -88,16 +88,12 @@ def prompt_features() -> datasets.Features:
 
 
 def _mtbench_rows() -> Iterator[Row]:
-    path = MTBENCH_QUESTIONS.locate()
-    with path.open(encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                q = json.loads(line)
-                yield {
-                    "id": f"mtbench-{q['question_id']}",
-                    "source": "mtbench",
-                    "messages": [{"role": "user", "content": turn} for turn in q["turns"]],
-                }
+    for q in _mtbench_questions():
+        yield {
+            "id": f"mtbench-{q['question_id']}",
+            "source": "mtbench",
+            "messages": [{"role": "user", "content": turn} for turn in q["turns"]],
+        }
 
 
 def _humaneval_rows() -> Iterator[Row]:
@@ -363,6 +359,19 @@ def load_prompts(
         )
     columns = {name: [row[name] for row in rows] for name in ("id", "source", "messages")}
     return datasets.Dataset.from_dict(columns, features=prompt_features())
+
+
+def prompt_categories(dataset: datasets.Dataset) -> list[str]:
+    """Each row's category: MT-bench's own (writing, roleplay, reasoning, math, coding,
+    extraction, stem, humanities), else the row's source (humaneval, sharegpt, a file's name)."""
+    mtbench = {f"mtbench-{q['question_id']}": q["category"] for q in _mtbench_questions()}
+    return [mtbench.get(i, s) if s == "mtbench" else s
+            for i, s in zip(dataset["id"], dataset["source"], strict=True)]
+
+
+def _mtbench_questions() -> list[dict]:
+    with MTBENCH_QUESTIONS.locate().open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def first_turn(messages: Iterable[Message]) -> list[Message]:
