@@ -10,7 +10,9 @@ rejection sampler) and treedraft trees, side by side in one invocation.
     treedraft bench --prompts mtbench,humaneval --by-category ...   # τ per MT-bench category
 
 Each configuration runs in its own engine process (scripts/engine.py) over MT-bench first turns,
-for every batch size (requests submitted in waves of that many, prompts cycled to fill a wave)
+for every batch size (requests submitted in waves of that many; with one prompt group, prompts
+are cycled to fill a wave, with several each prompt runs once and a group smaller than the
+batch runs as one smaller wave: the batch column then says `8 (≤3)`)
 and temperature; a progress bar per configuration shows which one runs, tokens so far and an
 estimate of what is left of the whole run. Writes OUT/bench.json (tokens/s, TPOT, mean
 acceptance length, per-depth acceptance, speedup vs no-spec per row, the machine), OUT/bench.md
@@ -143,6 +145,7 @@ def _row(config: str, job: dict, res: dict) -> dict:
     steps = spec["drafts"]
     return {
         "config": config, "prompts": job.get("group", ""), "batch_size": bs,
+        "largest_wave": min(bs, len(res["tokens"])),  # < batch_size: a small prompt group
         "temperature": job["params"]["temperature"],
         "tokens": total, "seconds": seconds, "tokens_per_s": total / seconds,
         "tpot_ms": 1000 * sum(w / n for w, n in zip(res["wave_seconds"], longest, strict=True))
@@ -163,9 +166,9 @@ def totals(rows: list[dict], sets: dict[str, list[str]]) -> list[dict]:
     """Rows of whole prompt sets summed from their groups' rows (sets: name -> group names):
     tokens, seconds, accepted drafts and tokens per pass over all of the set's requests."""
     out = []
-    keys = dict.fromkeys((r["config"], r["batch_size"], r["temperature"]) for r in rows)
+    runs = dict.fromkeys((r["config"], r["batch_size"], r["temperature"]) for r in rows)
     for name, groups in sets.items():
-        for config, bs, t in keys:
+        for config, bs, t in runs:
             part = [r for r in rows if (r["config"], r["batch_size"], r["temperature"]) ==
                     (config, bs, t) and r["prompts"] in groups]
             if len(part) < 2:
@@ -174,6 +177,11 @@ def totals(rows: list[dict], sets: dict[str, list[str]]) -> list[dict]:
             drafts, seconds = sum(r["drafts"] for r in part), sum(r["seconds"] for r in part)
             passes = sum(r["passes"] for r in part)
             sources = [r["accepted_by_source"] for r in part if r["accepted_by_source"]]
+            depth = max((len(r["acceptance_per_depth"]) for r in part), default=0)
+            per_depth = [sum(r["acceptance_per_depth"][d] * r["drafts"] for r in part
+                             if d < len(r["acceptance_per_depth"])) / drafts
+                         for d in range(depth)] if drafts else []
+            keys = list(dict.fromkeys(k for src in sources for k in src))
             out.append({
                 "config": config, "prompts": f"{name} (all)", "batch_size": bs, "temperature": t,
                 "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
@@ -181,9 +189,10 @@ def totals(rows: list[dict], sets: dict[str, list[str]]) -> list[dict]:
                 "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
                 "passes": passes, "tau_per_pass": tokens / passes, "accepted": accepted,
                 "drafts": drafts, "draft_tokens": sum(r["draft_tokens"] for r in part),
-                "acceptance_per_depth": [], "mean_tree_size":
+                "largest_wave": max(r["largest_wave"] for r in part),
+                "acceptance_per_depth": per_depth, "mean_tree_size":
                     sum(r["draft_tokens"] for r in part) / drafts if drafts else None,
-                "accepted_by_source": {k: sum(s[k] for s in sources) for k in sources[0]}
+                "accepted_by_source": {k: sum(src.get(k, 0) for src in sources) for k in keys}
                 if sources else None})
     return out
 
@@ -195,17 +204,26 @@ PROFILE_COLUMNS = ("step", "forward", "tree_attention", "verify", "kv_compaction
 def profile_markdown(rows: list[dict]) -> str:
     """Milliseconds per engine step by phase (tree attention is part of forward, KV compaction
     part of verify); steps and scheduled tokens per step."""
-    head = ["config", "T", "batch", "steps", "tokens/step", *PROFILE_COLUMNS]
+    groups = len({r.get("prompts", "") for r in rows}) > 1
+    head = ["config", *(["prompts"] if groups else []), "T", "batch", "steps", "tokens/step",
+            *PROFILE_COLUMNS]
     lines = ["| " + " | ".join(h.replace("_", " ") for h in head) + " |",
              "|" + "---|" * len(head)]
     for r in rows:
         ms, p = r.get("profile_ms") or {}, r.get("profile") or {}
         if not ms:
             continue
-        lines.append(f"| {r['config']} | {r['temperature']:g} | {r['batch_size']} | "
+        lines.append(f"| {r['config']} | " + (f"{r['prompts']} | " if groups else "")
+                     + f"{r['temperature']:g} | {_batch(r)} | "
                      f"{p['steps']:.0f} | {p['tokens'] / p['steps']:.1f} | "
                      + " | ".join(f"{ms[c]:.1f}" for c in PROFILE_COLUMNS) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _batch(r: dict) -> str:
+    """The batch size, and the largest wave where the prompt group was smaller."""
+    wave = r.get("largest_wave", r["batch_size"])
+    return f"{r['batch_size']}" if wave >= r["batch_size"] else f"{r['batch_size']} (≤{wave})"
 
 
 def markdown(rows: list[dict]) -> str:
@@ -218,7 +236,7 @@ def markdown(rows: list[dict]) -> str:
         tau = f"{r['mean_acceptance_length']:.2f}" if r["mean_acceptance_length"] else "-"
         size = f"{r['mean_tree_size']:.1f}" if r["mean_tree_size"] else "-"
         lines.append(f"| {r['config']} | " + (f"{r['prompts']} | " if groups else "")
-                     + f"{r['temperature']:g} | {r['batch_size']} | "
+                     + f"{r['temperature']:g} | {_batch(r)} | "
                      f"{r['tokens_per_s']:.1f} | {r['tpot_ms']:.1f} | {r['speedup']:.2f}x | "
                      f"{tau} | {size} | {r['tau_per_pass']:.2f} |")
     return "\n".join(lines) + "\n"

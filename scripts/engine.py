@@ -9,8 +9,8 @@ own `python -m treedraft.scripts.engine REQUEST.json` process. A request names t
 
 `params` may also be a list with one dict per prompt (a batch of mixed request shapes).
 
-`run_engine` returns as soon as the child has printed its result; the engine shuts down
-(seconds) in the background while the caller goes on.
+With `background_shutdown`, `run_engine` returns as soon as the child has printed its result
+and the engine shuts down (seconds) in the background while the caller goes on.
 
 The child prints one line ``TREEDRAFT_RESULT {...}``: per job the generated token ids, their
 logprobs (per output, the sampled tokens' logprobs; null where the request asked for none),
@@ -54,12 +54,17 @@ RESULT, PROGRESS = "TREEDRAFT_RESULT ", "TREEDRAFT_PROGRESS "
 def run_engine(target: str, speculative_config: dict | None, jobs: list[dict], *,
                llm: dict | None = None, timeout: int = 1200,
                progress: Callable[[dict], None] | None = None,
-               env: dict[str, str] | None = None) -> tuple[dict, str]:
+               env: dict[str, str] | None = None,
+               background_shutdown: bool = False) -> tuple[dict, str]:
     """Run `jobs` on a fresh engine; returns (results by job name, the child's log).
 
     progress: called in this thread's caller with each event the child reports, as it comes:
     {"ready": seconds to start the engine} once, then {"job": name, "tokens": n} per wave.
-    env: extra environment of the engine process (e.g. VLLM_PLUGINS=none: stock vLLM)."""
+    env: extra environment of the engine process (e.g. VLLM_PLUGINS=none: stock vLLM).
+    background_shutdown: return at the result line and let the engine shut down (seconds)
+    in a background thread (the tests); otherwise wait until it has exited and freed its
+    memory (`treedraft bench` starts the next engine right after: on a GPU, vLLM's start-up
+    memory check would see the previous engine's)."""
     request = {"target": str(target), "speculative_config": speculative_config,
                "llm": llm or {}, "jobs": jobs}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -81,9 +86,12 @@ def run_engine(target: str, speculative_config: dict | None, jobs: list[dict], *
                     done = True
                     break
         finally:
-            if done:  # the engine shuts down (seconds) while the caller goes on
+            if done and background_shutdown:  # the engine shuts down while the caller goes on
                 threading.Thread(target=_drain, args=(proc, timer), daemon=True).start()
-            else:
+            elif done:
+                _drain(proc, timer)
+            else:  # no result (the child ended, or the progress callback raised): stop it
+                proc.kill()
                 proc.wait()
                 timer.cancel()
     finally:

@@ -201,14 +201,19 @@ def test_bench_tokens_per_pass_and_category_totals():
 
     rows = [row("math", 60, 20, 10), row("coding", 40, 20, 18)]
     assert [r["tau_per_pass"] for r in rows] == [1.5, 2.0]
+    rows[1]["accepted_by_source"] = {"head": 5, "lookup": 15}  # a source the first lacks
     total, = totals(rows, {"mtbench": ["math", "coding"], "humaneval": ["humaneval"]})
     assert total["prompts"] == "mtbench (all)" and total["passes"] == 60  # 40 + 20
     assert total["tau_per_pass"] == pytest.approx(100 / 60)
     assert total["mean_acceptance_length"] == pytest.approx(1 + 40 / 28)
-    assert total["accepted_by_source"] == {"head": 0, "lookup": 40, "both": 0}
+    assert total["accepted_by_source"] == {"head": 5, "lookup": 35, "both": 0}
+    # per depth: P(accepted >= 1) of each group, weighted by its drafting steps
+    assert total["acceptance_per_depth"] == pytest.approx([40 / 28, 0, 0, 0])
     for r in [*rows, total]:
         r["speedup"] = 1.0
     assert "| tree=lookup:4 | mtbench (all) | 0 | 2 |" in markdown([*rows, total])
+    small = {**rows[0], "batch_size": 8}  # a group of 2 prompts at batch 8: one wave of 2
+    assert "| tree=lookup:4 | math | 0 | 8 (≤2) |" in markdown([small, total])
     assert "| tree=lookup:4 | 1.50 | 2.00 | 1.67 |" in tau_markdown([*rows, total])
     jobs = _jobs({"math": [[1], [2], [3]], "coding": [[4]]}, (8,), (0.0,), 16, fill=False)
     assert [(j["name"], len(j["prompts"])) for j in jobs] == [("T0.0-bs8-math", 3),

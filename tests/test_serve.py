@@ -7,7 +7,7 @@
   accepted tokens by source (head / lookup / both), lookup ones included on a repetitive text.
 * A head trained for another target (here SmolLM2's head on Qwen2.5-Coder) is refused at
   startup with a message naming both sides.
-* Under load (`treedraft load`, 8 clients x 33 requests, 3 of each of 11 mixed shapes: streaming, chat and
+* Under load (`treedraft load`, 8 clients sharing 33 requests, 3 of each of 11 mixed shapes: streaming, chat and
   completions, T=0 and sampled, stop strings, short max_tokens, logprobs, seeds, n=2, a prompt
   running to max_model_len, clients leaving mid-stream): no errors against the tree server and
   against a server without speculation, every T=0 answer identical, the tree server still up,
