@@ -14,8 +14,9 @@ and the engine shuts down (seconds) in the background while the caller goes on.
 
 The child prints one line ``TREEDRAFT_RESULT {...}``: per job the generated token ids, their
 logprobs (per output, the sampled tokens' logprobs; null where the request asked for none),
-every position's returned logprobs largest first (`top_logprobs`: with `logprobs: k`, the
-top k and the sampled token's; raw logits under `logprobs_mode: raw_logits`), the
+every position's returned [token, logprob] pairs largest first (`top_logprobs`: with
+`logprobs: k`, the top k and the sampled token's; raw logits under `logprobs_mode:
+raw_logits`), the
 finish reasons, the wall time of each wave and the change of vLLM's spec-decode counters during the job
 (and, when `TREEDRAFT_PROFILE` is in the engine's environment, the change of the worker's step
 profile: seconds per phase, steps, scheduled tokens; plugin/profile.py). While it
@@ -175,9 +176,11 @@ def _run_job(llm, job: dict) -> dict:
                       for tok, lp in zip(c.token_ids, c.logprobs, strict=False)]
                      + [None] * (len(c.token_ids) - len(c.logprobs))
                      for c in new]
-        # every position's returned logprobs (top-k and the sampled token's), largest first
+        # every position's returned [token, logprob] pairs (top-k and the sampled token's),
+        # largest first
         top += [None if c.logprobs is None else
-                [sorted((e.logprob for e in lp.values()), reverse=True) for lp in c.logprobs]
+                [sorted(([t, e.logprob] for t, e in lp.items()), key=lambda x: -x[1])
+                 for lp in c.logprobs]
                 for c in new]
         finish += [c.finish_reason for c in new]
         _report({"job": job["name"], "tokens": sum(len(c.token_ids) for c in new)})

@@ -30,8 +30,8 @@ engine core and worker in-process, which starts in about half the time):
   at batch <= 2 and turns drafting off above; outputs are still identical, and the draft counts
   show the cap (single stream: trees of at most 2 nodes; batch 8: no drafts while all 8 run).
 * bfloat16 (issue 15 item 7): the hybrid tree's greedy output may leave no-speculation's only
-  where no-speculation's own top-2 raw logits (logprobs_mode raw_logits) are within
-  BF16_ULPS ulps of the top logit; every divergence is printed with that gap.
+  where the token it chose is, in no-speculation's run, within BF16_ULPS ulps of the top raw
+  logit (logprobs_mode raw_logits, top 5); every divergence is printed with that gap.
 * the base engine (no speculation) answers "What is the capital of France?" with Paris, and
   the treedraft plugin loaded in its engine processes (the log names their pids).
 * step profile (`treedraft bench --profile`): the no-spec and lookup engines time their step
@@ -87,7 +87,7 @@ PARITY = 2  # single-stream prompts of the parity job (MT-bench first turns)
 LONG_PROMPT = 490  # tokens: the serving job's long request reaches max_model_len 512 (pressure)
 NEWLINE = 198  # SmolLM2's "\n"
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
-BF16_ULPS = 4  # bf16 trees may diverge from no-spec only within this top-2 gap (ulps)
+BF16_ULPS = 4  # bf16 trees may pick a token only this close (ulps) to no-spec's top logit
 INPROC = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # vLLM's engine core and worker in-process
 PARAMS = {"topp": {"temperature": 0.8, "top_p": 0.9}, "topk": {"temperature": 1.0, "top_k": 5}}
 
@@ -225,9 +225,9 @@ def runs(target, prompts, tokenizer, eagle3_export, medusa_export, tmp_path_fact
                      [jobs[1], {"name": "wide", "prompts": prompts, "params": {
                          "temperature": 0, "max_tokens": 16, "ignore_eos": True}}], None),
         # bfloat16 (vLLM's CPU default where the CPU has AMX): the hybrid tree against no
-        # speculation, which reports the top-2 raw logits at every token
+        # speculation, which reports the top-5 raw logits at every token
         "base_bf16": (target, None, [{**greedy[0], "params": {**greedy[0]["params"],
-                                                              "logprobs": 2}}],
+                                                              "logprobs": 5}}],
                       {"dtype": "bfloat16", "logprobs_mode": "raw_logits"}),
         "tree_bf16": (target, TREE, greedy, {"dtype": "bfloat16"}),
     })
@@ -279,11 +279,13 @@ def _bf16_ulp(x: float) -> float:
 
 def test_bf16_tree_diverges_only_where_no_speculation_is_at_a_near_tie(runs, prompts):
     """In bfloat16 the tree rows' attention (torch) rounds differently from vLLM's kernel, so
-    a greedy tree may pick the other token where the target's top two logits are (nearly)
-    tied. Every divergence from no speculation is reported with no speculation's top-2 raw
-    logit gap there, and fails beyond BF16_ULPS bfloat16 ulps of the top logit: a logic
+    a greedy tree may pick another token where the target's top logits are (nearly) tied.
+    Every divergence from no speculation is reported with the gap, in no speculation's run,
+    between its top raw logit and the logit of the token the tree chose, and fails beyond
+    BF16_ULPS bfloat16 ulps of the top logit (or if that token is not in its top 5): a logic
     error shows up as a divergence at a clear gap (tens of ulps and more). Measured on a
-    2-core AVX2 CPU: 4 of 8 prompts diverge, at gaps of 0, 1, 1 and 2 ulps; the bound leaves
+    2-core AVX2 CPU: 4 of 8 prompts diverge, at gaps of 0, 1, 2 and 3 ulps (once to the
+    third-ranked token); the bound leaves
     room for other CPUs' kernels (AMX) rounding differently."""
     base = runs["base_bf16"][0]["greedy"]
     res = runs["tree_bf16"][0]["greedy"]
@@ -294,15 +296,21 @@ def test_bf16_tree_diverges_only_where_no_speculation_is_at_a_near_tie(runs, pro
         if k is None:
             assert len(a) == len(b), (i, len(a), len(b))
             continue
-        top = base["top_logprobs"][i][k]  # raw logits (logprobs_mode), largest first
-        assert top[0] == base["logprobs"][i][k], "no speculation's own token is its argmax"
-        gap, ulp = top[0] - top[1], _bf16_ulp(top[0])
-        report.append({"prompt": i, "token": k, "top": round(top[0], 3), "gap": round(gap, 4),
+        # no speculation's top-5 [token, raw logit] pairs (logprobs_mode raw_logits) there
+        pairs = base["top_logprobs"][i][k]
+        top1 = pairs[0][1]
+        assert top1 == base["logprobs"][i][k], "no speculation's own token is its argmax"
+        logit = dict((t, v) for t, v in pairs).get(b[k])  # the tree's token, in no-spec's run
+        assert logit is not None, (
+            f"prompt {i}, token {k}: the bf16 tree chose {b[k]}, outside no speculation's "
+            f"top 5 there: {pairs}")
+        gap, ulp = top1 - logit, _bf16_ulp(top1)
+        report.append({"prompt": i, "token": k, "top": round(top1, 3), "gap": round(gap, 4),
                        "ulps": round(gap / ulp, 2)})
     print(f"bf16 tree vs no speculation: {len(report)} of {len(prompts)} prompts diverge; "
-          f"at each, no speculation's top-2 logit gap: {report}")
+          f"at each, no speculation's top logit minus the tree's token's: {report}")
     assert all(r["ulps"] <= BF16_ULPS for r in report), (
-        f"a bf16 tree diverged where the target's top two logits are > {BF16_ULPS} ulps apart: "
+        f"a bf16 tree chose a token > {BF16_ULPS} ulps below no speculation's top logit: "
         f"{report}")
 
 
