@@ -176,6 +176,7 @@ def totals(rows: list[dict], sets: dict[str, list[str]]) -> list[dict]:
             tokens, accepted = sum(r["tokens"] for r in part), sum(r["accepted"] for r in part)
             drafts, seconds = sum(r["drafts"] for r in part), sum(r["seconds"] for r in part)
             passes = sum(r["passes"] for r in part)
+            draft_tokens = sum(r["draft_tokens"] for r in part)
             sources = [r["accepted_by_source"] for r in part if r["accepted_by_source"]]
             depth = max((len(r["acceptance_per_depth"]) for r in part), default=0)
             per_depth = [sum(r["acceptance_per_depth"][d] * r["drafts"] for r in part
@@ -188,10 +189,10 @@ def totals(rows: list[dict], sets: dict[str, list[str]]) -> list[dict]:
                 "tpot_ms": sum(r["tpot_ms"] * r["seconds"] for r in part) / seconds,
                 "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
                 "passes": passes, "tau_per_pass": tokens / passes, "accepted": accepted,
-                "drafts": drafts, "draft_tokens": sum(r["draft_tokens"] for r in part),
+                "drafts": drafts, "draft_tokens": draft_tokens,
                 "largest_wave": max(r["largest_wave"] for r in part),
-                "acceptance_per_depth": per_depth, "mean_tree_size":
-                    sum(r["draft_tokens"] for r in part) / drafts if drafts else None,
+                "acceptance_per_depth": per_depth,
+                "mean_tree_size": draft_tokens / drafts if drafts else None,
                 "accepted_by_source": {k: sum(src.get(k, 0) for src in sources) for k in keys}
                 if sources else None})
     return out
@@ -204,41 +205,45 @@ PROFILE_COLUMNS = ("step", "forward", "tree_attention", "verify", "kv_compaction
 def profile_markdown(rows: list[dict]) -> str:
     """Milliseconds per engine step by phase (tree attention is part of forward, KV compaction
     part of verify); steps and scheduled tokens per step."""
-    groups = len({r.get("prompts", "") for r in rows}) > 1
-    head = ["config", *(["prompts"] if groups else []), "T", "batch", "steps", "tokens/step",
-            *PROFILE_COLUMNS]
+    head, lead = _lead(rows)
+    head += ["steps", "tokens/step", *PROFILE_COLUMNS]
     lines = ["| " + " | ".join(h.replace("_", " ") for h in head) + " |",
              "|" + "---|" * len(head)]
     for r in rows:
         ms, p = r.get("profile_ms") or {}, r.get("profile") or {}
         if not ms:
             continue
-        lines.append(f"| {r['config']} | " + (f"{r['prompts']} | " if groups else "")
-                     + f"{r['temperature']:g} | {_batch(r)} | "
-                     f"{p['steps']:.0f} | {p['tokens'] / p['steps']:.1f} | "
-                     + " | ".join(f"{ms[c]:.1f}" for c in PROFILE_COLUMNS) + " |")
+        lines.append("| " + " | ".join([*lead(r), f"{p['steps']:.0f}",
+                                        f"{p['tokens'] / p['steps']:.1f}",
+                                        *(f"{ms[c]:.1f}" for c in PROFILE_COLUMNS)]) + " |")
     return "\n".join(lines) + "\n"
 
 
-def _batch(r: dict) -> str:
-    """The batch size, and the largest wave where the prompt group was smaller."""
-    wave = r.get("largest_wave", r["batch_size"])
-    return f"{r['batch_size']}" if wave >= r["batch_size"] else f"{r['batch_size']} (≤{wave})"
+def _lead(rows: list[dict]):
+    """Every table's first columns: config, prompts (when the rows cover several prompt
+    groups), T, batch (with the largest wave where a prompt group was smaller than the
+    batch): (their header, row -> their cells)."""
+    groups = len({r.get("prompts", "") for r in rows}) > 1
+
+    def cells(r: dict) -> list[str]:
+        wave, bs = r.get("largest_wave", r["batch_size"]), r["batch_size"]
+        return [r["config"], *([r["prompts"]] if groups else []), f"{r['temperature']:g}",
+                f"{bs}" if wave >= bs else f"{bs} (≤{wave})"]
+
+    return ["config", *(["prompts"] if groups else []), "T", "batch"], cells
 
 
 def markdown(rows: list[dict]) -> str:
-    """The main table; a prompts column when the rows cover several prompt groups."""
-    groups = len({r.get("prompts", "") for r in rows}) > 1
-    head = ["config", *(["prompts"] if groups else []), "T", "batch", "tok/s", "TPOT ms",
-            "speedup", "mean acc. len", "tree size", "τ/pass"]
+    """The main table."""
+    head, lead = _lead(rows)
+    head += ["tok/s", "TPOT ms", "speedup", "mean acc. len", "tree size", "τ/pass"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         tau = f"{r['mean_acceptance_length']:.2f}" if r["mean_acceptance_length"] else "-"
         size = f"{r['mean_tree_size']:.1f}" if r["mean_tree_size"] else "-"
-        lines.append(f"| {r['config']} | " + (f"{r['prompts']} | " if groups else "")
-                     + f"{r['temperature']:g} | {_batch(r)} | "
-                     f"{r['tokens_per_s']:.1f} | {r['tpot_ms']:.1f} | {r['speedup']:.2f}x | "
-                     f"{tau} | {size} | {r['tau_per_pass']:.2f} |")
+        lines.append("| " + " | ".join([*lead(r), f"{r['tokens_per_s']:.1f}",
+                                        f"{r['tpot_ms']:.1f}", f"{r['speedup']:.2f}x", tau,
+                                        size, f"{r['tau_per_pass']:.2f}"]) + " |")
     return "\n".join(lines) + "\n"
 
 

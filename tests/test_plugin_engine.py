@@ -61,6 +61,7 @@ import re
 import pytest
 import torch
 from scipy.stats import chi2_contingency
+from vllm_run import INPROC
 
 from treedraft.plugin.profile import PROFILE_ENV
 from treedraft.scripts.engine import run_engine
@@ -88,7 +89,6 @@ LONG_PROMPT = 490  # tokens: the serving job's long request reaches max_model_le
 NEWLINE = 198  # SmolLM2's "\n"
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 BF16_ULPS = 4  # bf16 trees may pick a token only this close (ulps) to no-spec's top logit
-INPROC = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # vLLM's engine core and worker in-process
 PARAMS = {"topp": {"temperature": 0.8, "top_p": 0.9}, "topk": {"temperature": 1.0, "top_k": 5}}
 
 
@@ -499,7 +499,7 @@ def test_two_engines_in_one_process_stay_exact(target, prompts):
     from treedraft.scripts.engine import engine_env
 
     request = {"target": target, "spec": TREE, "prompts": prompts[:3], "max_tokens": 24}
-    env = {**engine_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = {**engine_env(), **INPROC}
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("two_engines.py")),
                            json.dumps(request)], capture_output=True, text=True, timeout=900,
                           env=env)

@@ -12,6 +12,8 @@ import sys
 
 from treedraft.scripts.engine import engine_env
 
+INPROC = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # vLLM's engine core and worker in-process
+
 
 def run_vllm(model: str, prompts: list[list[dict]], *, max_tokens: int = 24, timeout: int = 600,
              **llm_kwargs) -> tuple[list[str], str]:
@@ -22,7 +24,7 @@ def run_vllm(model: str, prompts: list[list[dict]], *, max_tokens: int = 24, tim
     request = {"model": model, "prompts": prompts, "max_tokens": max_tokens, "llm": llm_kwargs}
     proc = subprocess.run([sys.executable, __file__, json.dumps(request)], capture_output=True,
                           text=True, timeout=timeout,
-                          env={**engine_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+                          env={**engine_env(), **INPROC})
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("TREEDRAFT_RESULT ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"vLLM run failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")

@@ -268,10 +268,7 @@ def _normalise(text: str) -> str:
 
 @cache
 def _mtbench_turns_at(path: Path) -> frozenset[str]:
-    with path.open(encoding="utf-8") as f:
-        return frozenset(
-            _normalise(turn) for line in f if line.strip() for turn in json.loads(line)["turns"]
-        )
+    return frozenset(_normalise(turn) for q in _mtbench_questions(path) for turn in q["turns"])
 
 
 def mtbench_turns() -> frozenset[str]:
@@ -369,8 +366,9 @@ def prompt_categories(dataset: datasets.Dataset) -> list[str]:
             for i, s in zip(dataset["id"], dataset["source"], strict=True)]
 
 
-def _mtbench_questions() -> list[dict]:
-    with MTBENCH_QUESTIONS.locate().open(encoding="utf-8") as f:
+def _mtbench_questions(path: Path | None = None) -> list[dict]:
+    """The MT-bench question records (question_id, category, turns), one per line."""
+    with (path or MTBENCH_QUESTIONS.locate()).open(encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
