@@ -474,6 +474,18 @@ class EagleSession:
         return out
 
     @staticmethod
+    @torch.no_grad()
+    def draft_logits_many(items) -> tuple[Tensor, Tensor | None, int]:
+        """Items (session, tree, nodes): the nodes' logits [sum of len(nodes), Vd] (float32)
+        over the head's draft vocabulary, all items' missing nodes in one packed forward and
+        one matmul; the draft -> target id map (None: the full vocabulary); the target's
+        vocabulary size (heads.sampling.draft_chains)."""
+        feats = EagleSession._features_many(items)
+        head = items[0][0].head
+        return (head.draft_logits(torch.cat(feats)).float(), getattr(head, "d2t", None),
+                head.config.target.vocab_size)
+
+    @staticmethod
     def _features_many(items) -> list[Tensor]:
         """Per item (session, tree, nodes): the nodes' output features [len(nodes), H], after
         running the missing ones of all sessions together (one packed forward per wave; one wave

@@ -8,7 +8,8 @@ Features:
 - `verify_tree`: verification of a drafted token tree, greedy or sampled. The committed tokens
   have exactly the target's distribution whatever the draft proposed (proof next to the code).
 - Sampled chains (T > 0): `draft_chain` samples each draft token from q = the head's
-  distribution under the request's temperature/top-k/top-p and keeps q; `verify_chain` is
+  distribution under the request's temperature/top-k/top-p and keeps q (`draft_chains`: the
+  requests of a serving step in lockstep, one head forward per level); `verify_chain` is
   speculative sampling (accept with min(1, p/q), else resample from norm(max(0, p - q)), plus a
   bonus token), the rule vLLM's rejection sampler applies when it is given draft probabilities.
   Measured on the shipped EAGLE head (MT-bench, T=1): depth-1 acceptance 0.26 with sampled
@@ -248,19 +249,56 @@ def draft_chain(root_token: int, expander, depth: int, params: SamplingParams,
     Returns the chain (a DraftTree: root + drafts, log q of each draft) and q [depth, V]
     (float32), the draft distributions vLLM's rejection sampler needs as draft probabilities.
     Greedy params give argmax tokens and one-hot q. `expander` is a head's draft session
-    (heads/tree.py `Expander`), committed up to the root.
+    (heads/tree.py `Expander`), committed up to the root. One request of `draft_chains`.
     """
+    return draft_chains([(root_token, expander, params, generator)], depth)[0]
+
+
+def draft_chains(jobs: Sequence[tuple[int, object, SamplingParams, torch.Generator | None]],
+                 depth: int) -> list[tuple[DraftTree, Tensor]]:
+    """`draft_chain` for several requests in lockstep, jobs (root_token, expander, params,
+    generator): each request draws from its own generator, so the chains are those drafted
+    one by one.
+
+    Where the expanders' class offers `draft_logits_many` (EagleSession), a level of ALL chains
+    is one packed head forward and one matmul over the head's draft vocabulary, and q is built
+    over that vocabulary (the same distribution as over the full one, where the head's logits
+    are -inf: temperature, top-k and top-p only ever drop or rescale finite entries), then
+    scattered to the target's vocabulary for the returned q; otherwise one `expand` (full
+    vocabulary log-probs) per request and level."""
     if depth < 1:
         raise ValueError(f"depth must be >= 1, got {depth}")
-    tokens, logprobs, qs = [int(root_token)], [0.0], []
+    if not jobs:
+        return []
+    expanders = [e for _, e, *_ in jobs]
+    cls = type(expanders[0])
+    many = getattr(cls, "draft_logits_many", None)
+    if any(type(e) is not cls for e in expanders):
+        many = None
+    tokens = [[int(root)] for root, *_ in jobs]
+    logprobs: list[list[float]] = [[0.0] for _ in jobs]
+    qs: list[list[Tensor]] = [[] for _ in jobs]
+    ids, vocab = None, None
     for d in range(depth):
-        q = process_logits(expander.expand(_chain(tokens, logprobs), [d])[0], params)  # [V]
-        tok = int(q.argmax()) if params.greedy else int(
-            torch.multinomial(q, 1, generator=generator))
-        tokens.append(tok)
-        logprobs.append(float(q[tok].log()))
-        qs.append(q)
-    return _chain(tokens, logprobs), torch.stack(qs)
+        trees = [_chain(t, lp) for t, lp in zip(tokens, logprobs, strict=True)]
+        if many is not None:
+            rows, ids, vocab = many([(e, t, [d]) for e, t in zip(expanders, trees, strict=True)])
+        else:
+            rows = [e.expand(t, [d])[0] for e, t in zip(expanders, trees, strict=True)]
+        for i, (_, _, params, generator) in enumerate(jobs):
+            q = process_logits(rows[i], params)  # [V or Vd]
+            j = int(q.argmax()) if params.greedy else int(
+                torch.multinomial(q, 1, generator=generator))
+            tokens[i].append(j if ids is None else int(ids[j]))
+            logprobs[i].append(float(q[j].log()))
+            qs[i].append(q)
+    out = []
+    for t, lp, q in zip(tokens, logprobs, qs, strict=True):
+        q = torch.stack(q)
+        if ids is not None:  # draft vocabulary -> the target's
+            q = q.new_zeros(depth, vocab).index_copy_(1, ids.to(q.device), q)
+        out.append((_chain(t, lp), q))
+    return out
 
 
 def verify_chain(draft_tokens: Sequence[int], draft_probs: Tensor, target_logits: Tensor,

@@ -1,15 +1,18 @@
 """The head's linear layers on vLLM's CPU GEMM kernels (vLLM's `layers.utils` CPU dispatch).
 
 vLLM runs the target's linears through `dispatch_cpu_unquantized_gemm`: prepacked weights and
-oneDNN / AMX micro-kernels (sgl-kernel for small ones). In bfloat16 torch's own `F.linear` is
-1.5-3x slower at decode sizes (1-3 rows) on this CPU, and the head's matmuls are most of a
-drafting step. `use_vllm_gemm` routes every `nn.Linear` of a loaded head through the same
-dispatch. Drafts only: their speed changes, never exactness (acceptance verifies any draft).
+oneDNN / AMX micro-kernels (sgl-kernel for small ones). At decode sizes (1-16 rows) torch's own
+`F.linear` is slower: 1.5-3x in bfloat16 on an AMX CPU, and about 2x in float32 on an AVX2-only
+AMD EPYC (session 12: the shipped head's commit of 2 pairs 3.7 -> 2.1 ms, a `dynamic:10,3,3`
+tree 18.9 -> 7.1 ms at batch 1), and the head's matmuls are most of a drafting step.
+`use_vllm_gemm` routes every `nn.Linear` of a loaded head through the same dispatch. Drafts
+only: their speed changes, never exactness (acceptance verifies any draft).
 
 The weights stay in place (`remove_weight=False`), so the head module is unchanged for anything
-else that reads them. float32 keeps torch's kernels (no gain there, measured), and so does a CPU
-without AMX/AVX512-BF16: vLLM's oneDNN bf16 GEMM cannot be built on an AVX2-only CPU (vLLM logs a
-failure and falls back to `F.linear` per layer), so routing there only adds the warning.
+else that reads them. Routed: float32 heads on any CPU, bf16/fp16 heads where the CPU computes
+bf16 in hardware (AMX/AVX512-BF16). A bf16 head on an AVX2-only CPU keeps torch's kernels:
+vLLM's oneDNN bf16 GEMM cannot be built there (vLLM logs a failure and falls back to `F.linear`
+per layer), so routing would only add the warning.
 """
 
 from __future__ import annotations
@@ -31,13 +34,16 @@ def _forward(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def use_vllm_gemm(head: nn.Module, info: CpuInfo | None = None) -> int:
-    """Route the head's bf16/fp16 nn.Linear layers through vLLM's CPU GEMM dispatch where the
-    CPU computes bf16 in hardware (`info`: this machine by default); returns how many."""
-    if not current_platform.is_cpu() or not (info or cpu_info()).fast_bf16:
+    """Route the head's float32 nn.Linear layers, and its bf16/fp16 ones where the CPU computes
+    bf16 in hardware (`info`: this machine by default), through vLLM's CPU GEMM dispatch;
+    returns how many."""
+    if not current_platform.is_cpu():
         return 0
+    dtypes = (torch.float32, *PACKED_DTYPES) if (info or cpu_info()).fast_bf16 else (
+        torch.float32,)
     n = 0
     for layer in head.modules():
-        if not isinstance(layer, nn.Linear) or layer.weight.dtype not in PACKED_DTYPES:
+        if not isinstance(layer, nn.Linear) or layer.weight.dtype not in dtypes:
             continue
         dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
         layer.forward = _forward.__get__(layer)  # bound: instance attribute, not a class patch

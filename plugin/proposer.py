@@ -16,7 +16,8 @@ forward, each tree level of all requests in one more (`EagleSession.commit_many`
 `heads.common.commit_sessions` and `heads.lookup.draft_hybrids`); attention stays per request,
 against that request's own in-place head KV cache.
   Chains of requests that sample (T > 0) draw each token from the head's distribution q under
-  the request's temperature/top-k/top-p (`heads.sampling.draft_chain`) and hand q to vLLM's
+  the request's temperature/top-k/top-p (`heads.sampling.draft_chains`, one head forward per
+  level for all of them, over the draft vocabulary) and hand q to vLLM's
   rejection sampler as draft probabilities (`last_draft_probs`); greedy requests and trees draft
   the top-ranked tokens (q one-hot, vLLM's default).
 
@@ -42,7 +43,7 @@ from vllm.logger import init_logger
 
 from treedraft.heads.common import PendingPairs, commit_sessions
 from treedraft.heads.lookup import SOURCES, LookupIndex, accepted_by_source, draft_hybrids
-from treedraft.heads.sampling import draft_chain
+from treedraft.heads.sampling import draft_chains
 from treedraft.heads.tree import MAX_TREE_DEPTH, DraftTree, parse_tree_spec
 
 from .config import KEY
@@ -129,10 +130,14 @@ class AutoBudget:
             self._gaps.append(now - self._last_end)
         self._start = now
 
-    def step_done(self, scheduler_output, drafted: dict[str, int]) -> None:
+    def step_done(self, scheduler_output, drafted: dict[str, int], catch_up: float = 0.0
+                  ) -> None:
         """The step that ends now: the worker's time since `step_started` plus the median gap
-        between steps (idle time between requests never counts), its rows by kind, and the
-        nodes drafted per request."""
+        between steps (idle time between requests never counts), less `catch_up` (seconds its
+        head commits spent on pairs of earlier steps: the lazy commits a request's first drafting
+        step makes up for, a whole prompt or every step auto drafted nothing; charged to this
+        step they would price drafting at many times its steady cost), its rows by kind, and
+        the nodes drafted per request."""
         now = time.perf_counter()
         spec = scheduler_output.scheduled_spec_decode_tokens
         decode = prefill = verified = 0
@@ -145,7 +150,7 @@ class AutoBudget:
                 prefill += n - v
         if self._start is not None:
             gap = statistics.median(self._gaps) if self._gaps else 0.0
-            self.policy.step_done(now - self._start + gap, decode, prefill, verified,
+            self.policy.step_done(now - self._start + gap - catch_up, decode, prefill, verified,
                                   sum(drafted.values()))
         self._start, self._last_end = None, now
         self._drafted = drafted
@@ -198,7 +203,7 @@ class TreeDraftProposer:
         head.bind_target(embed, lm_head)  # checks both are [vocab_size, hidden_size]
         from .cpu_gemm import use_vllm_gemm
 
-        use_vllm_gemm(head)  # CPU bf16: vLLM's packed GEMM kernels for the head's linears
+        use_vllm_gemm(head)  # CPU: vLLM's GEMM kernels (oneDNN/AMX) for the head's linears
         self.head = head
         self.rates = getattr(head.config, "acceptance_rates", None)
         if self.auto is not None:
@@ -273,15 +278,17 @@ class TreeDraftProposer:
         # 1. every request's known pairs wait for its head session (PendingPairs); the sessions
         # of the requests that draft this step read theirs in one packed head forward (below)
         work = []  # work: (i, req_id, sampled, session) of scheduled requests
+        own = {}  # req_id -> pairs this step adds (the rest of a commit catches up)
         for i, req_id in enumerate(ib.req_ids):
             n = scheduler_output.num_scheduled_tokens.get(req_id, 0)
             if n == 0:
                 continue
             session = None
             if self.head is not None:
-                session = self._commit_item(
+                session, pairs = self._commit_item(
                     runner, scheduler_output, i, req_id, n, sampled_token_ids[i], hidden_states,
                     aux_hidden_states, accepted)
+                own[req_id] = pairs
             work.append((i, req_id, sampled_token_ids[i], session))
         # 2. drafts: sampled chains per request; trees (and greedy chains) of all requests
         # together, a tree level of every request in one head forward (heads.lookup.draft_hybrids)
@@ -298,30 +305,39 @@ class TreeDraftProposer:
         if not budget:
             eligible = []
         drafting = {req_id for _, req_id, *_ in eligible}
+        catch_up = 0.0  # seconds of this step's commits spent on pairs of earlier steps
         if self.head is not None:  # the drafting requests' sessions read what is pending
             # (and so does any session with `full` pending pairs: bounded memory, no lost context)
-            commit_sessions([item for _, req_id, _, session in work
-                             if (req_id in drafting or self.pending[req_id].full)
-                             and (item := self.pending[req_id].flush(session)) is not None])
+            t0 = time.perf_counter()
+            flushed = [(req_id, item) for _, req_id, _, session in work
+                       if (req_id in drafting or self.pending[req_id].full)
+                       and (item := self.pending[req_id].flush(session)) is not None]
+            commit_sessions([item for _, item in flushed])
+            if flushed:
+                total = sum(len(item[2]) for _, item in flushed)
+                mine = sum(own[req_id] for req_id, _ in flushed)
+                catch_up = (time.perf_counter() - t0) * max(total - mine, 0) / total
         for _, req_id, *_ in work:
             if req_id not in drafting:
                 self.trees.pop(req_id, None)
                 self.sources.pop(req_id, None)
         spec = self.spec_for(budget) if budget else self.spec
         jobs = []  # (i, req_id, root, session, lookup index)
+        chains = []  # (i, (root, session, params, generator)) of sampled chains
         for i, req_id, sampled, session in eligible:
             params = None if self.tree_mode else self._sampled_params(runner, req_id)
             if params is not None:
                 # a seeded request draws its drafts from its own generator (reproducible)
-                chain, probs[i] = draft_chain(sampled[-1], session, spec.max_nodes, params,
-                                              ib.generators.get(i))
-                drafts[i] = chain.tokens[1:].tolist()
+                chains.append((i, (sampled[-1], session, params, ib.generators.get(i))))
                 continue
             index = None
             if spec.lookup:
                 index = self.lookups.setdefault(req_id, LookupIndex())
                 index.sync(ib.token_ids_cpu[i, : ib.num_tokens_no_spec[i]])  # a view: O(new)
             jobs.append((i, req_id, sampled[-1], session, index))
+        for (i, _), (chain, probs[i]) in zip(
+                chains, draft_chains([job for _, job in chains], spec.max_nodes), strict=True):
+            drafts[i] = chain.tokens[1:].tolist()
         hybrids = draft_hybrids([(root, session, index) for _, _, root, session, index in jobs],
                                 spec, self.rates, device=hidden_states.device) if jobs else []
         for (i, req_id, *_), hybrid in zip(jobs, hybrids, strict=True):
@@ -329,7 +345,8 @@ class TreeDraftProposer:
             drafts[i] = hybrid.tree.tokens[1 : budget + 1].tolist()  # make_request keeps these
         if self.auto is not None:
             self.auto.step_done(scheduler_output,
-                                {ib.req_ids[i]: len(d) for i, d in enumerate(drafts) if d})
+                                {ib.req_ids[i]: len(d) for i, d in enumerate(drafts) if d},
+                                catch_up)
         self.last_draft_probs = self._draft_probs(runner, drafts, probs) if probs else None
         if probs:
             logger.info_once(
@@ -351,7 +368,7 @@ class TreeDraftProposer:
     def _commit_item(self, runner, scheduler_output, i: int, req_id: str, n: int, sampled,
                      hidden_states, aux_hidden_states, accepted):
         """This step's known pairs of one request (features, next tokens), from vLLM's computed
-        tokens on, added to its pending pairs; returns its session."""
+        tokens on, added to its pending pairs; returns (its session, the number of pairs)."""
         ib = runner.input_batch
         qs, c = int(runner.query_start_loc.np[i]), int(ib.num_computed_tokens_cpu[i])
         nodes = (accepted or {}).get(req_id)
@@ -368,7 +385,7 @@ class TreeDraftProposer:
         feats = self.features(hidden_states, aux_hidden_states,
                               torch.tensor(rows, device=hidden_states.device))
         self.pending.setdefault(req_id, PendingPairs()).add(c, feats, tokens.long())
-        return session
+        return session, len(rows)
 
     def _sampled_params(self, runner, req_id: str):
         """heads SamplingParams of a request that samples (T > 0), else None (greedy)."""

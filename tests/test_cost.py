@@ -130,3 +130,15 @@ def test_policy_never_loses_much_where_drafting_does_not_pay_and_finds_where_it_
         assert mode(budgets[-100:]) == true_best(mid, kappa, 8, lengths), (kappa, budgets[-20:])
         assert speed > 0.97, (kappa, speed)
     assert true_best(mid, 1.0, 8, lengths) > true_best(mid, 0.2, 8, lengths)
+
+
+def test_plain_steps_refit_the_model_every_few_steps_drafting_steps_at_once():
+    m = fitted(0.005, 0.0006, 0.0009, 0.0003)
+    before, waited = m.fit(), 0
+    while m.fit() == before:  # plain steps twice as slow: the fit waits a few steps for them
+        m.add(2 * (0.005 + 0.0006 * 8), 8)
+        waited += 1
+    assert 1 < waited <= m.refit_every
+    now = m.fit()
+    m.add(0.005 + 0.0006 * 4 + 0.0012 * 4, 4, 0, 4, 4)  # a step that drafted: at once
+    assert m.fit() != now

@@ -205,6 +205,54 @@ def test_eagle_expand_topk_equals_topk_of_expand(draft_vocab):
         torch.testing.assert_close(fast.logprobs, slow.logprobs, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("draft_vocab", [None, 10])
+def test_sampled_chains_drafted_together_equal_one_by_one_and_the_full_vocab_q(draft_vocab):
+    """draft_chains (one head forward per level for all requests, q over the draft vocabulary):
+    each request draws what it draws alone from its seeded generator, and q at every depth is
+    the full-vocabulary q of that chain (process_logits of `expand`), scattered to the target's
+    vocabulary, with log q of each draft in the chain."""
+    from treedraft.heads.sampling import SamplingParams, draft_chains, process_logits
+
+    head = make_eagle(draft_vocab_size=draft_vocab)
+    if draft_vocab:
+        head.set_draft_vocab(torch.randperm(V, generator=torch.Generator().manual_seed(5))[:10])
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5),
+              SamplingParams(temperature=1.3, top_p=0.8), SamplingParams()]  # the last: greedy
+    g = torch.Generator().manual_seed(4)
+    hidden = [torch.randn(3 + i, H, generator=g) for i in range(4)]
+    toks = [torch.randint(0, V, (3 + i,), generator=g) for i in range(4)]
+
+    def sessions():
+        out = []
+        for h, t in zip(hidden, toks, strict=True):
+            s = head.draft_session()
+            s.commit(h, t)
+            out.append(s)
+        return out
+
+    def jobs(ss):
+        return [(int(t[-1]), s, p, torch.Generator().manual_seed(10 + i))
+                for i, (t, s, p) in enumerate(zip(toks, ss, params, strict=True))]
+
+    ss = sessions()
+    together = draft_chains(jobs(ss), 3)
+    alone = [draft_chains([job], 3)[0] for job in jobs(sessions())]
+    for (chain, q), (ref_chain, ref_q), p, s in zip(together, alone, params, ss, strict=True):
+        assert chain.tokens.tolist() == ref_chain.tokens.tolist()
+        torch.testing.assert_close(q, ref_q, rtol=0, atol=1e-6)
+        assert q.shape == (3, V)
+        full = torch.stack([process_logits(s.expand(chain, [d])[0], p) for d in range(3)])
+        torch.testing.assert_close(q, full, rtol=0, atol=1e-6)
+        drafts = chain.tokens[1:]
+        torch.testing.assert_close(chain.logprobs[1:], q[torch.arange(3), drafts].log(),
+                                   rtol=0, atol=1e-5)
+        if draft_vocab:
+            assert set(drafts.tolist()) <= set(head.d2t.tolist())
+        if p.greedy:
+            assert torch.equal(q.argmax(-1), drafts)
+    assert len({tuple(c.tokens.tolist()) for c, _ in together}) == 4  # the requests differ
+
+
 @pytest.mark.parametrize("layout", ["eagle1", "eagle3"])
 def test_eagle_incremental_equals_full_sequence(layout):
     head = make_eagle(layout=layout)

@@ -75,9 +75,10 @@ def test_vllm_expand_batch_to_tokens_uses_the_fix():
 # ----------------------------------------------------------------------------- tree attention
 @pytest.mark.parametrize("fast_bf16", [True, False], ids=["amx-cpu", "avx2-cpu"])
 def test_head_linears_run_on_vllms_cpu_gemm(fast_bf16):
-    """Both branches on any machine: a CPU with bf16 in hardware routes the head's bf16 linears
-    through vLLM's dispatch (on an AVX2 machine vLLM itself falls back to F.linear inside it),
-    one without keeps torch's kernels; the drafts are the same either way."""
+    """Both branches on any machine: float32 heads always run on vLLM's dispatch (oneDNN), a
+    CPU with bf16 in hardware routes the head's bf16 linears too (on an AVX2 machine vLLM itself
+    falls back to F.linear inside it), one without keeps torch's kernels for bf16; the drafts
+    are the same either way."""
     _load_vllm_ops()
 
     from treedraft.heads.common import TargetSignature
@@ -103,7 +104,16 @@ def test_head_linears_run_on_vllms_cpu_gemm(fast_bf16):
     fp32 = EagleHead(cfg).eval()
     fp32.load_state_dict(plain.state_dict())
     fp32.bind_target(embed, lm)
-    assert use_vllm_gemm(fp32, machine) == 0  # float32 keeps torch's kernels
+    assert use_vllm_gemm(fp32, machine) == 10  # fuse, combine, q/k/v/o, gate/up/down, lm_head
+    hidden32, tokens = torch.randn(6, 2 * H), torch.randint(0, V, (6,))
+    logp = []
+    for head in (plain, fp32):  # float32 through oneDNN: the same log-probs up to rounding
+        s = head.draft_session()
+        s.commit(hidden32, tokens)
+        tree = draft_tree(int(tokens[-1]), s, parse_tree_spec("chain:3"))
+        assert tree.tokens.tolist()[0] == int(tokens[-1])
+        logp.append(s.expand(tree, [0, 1, 2, 3]))
+    torch.testing.assert_close(logp[1], logp[0], rtol=1e-4, atol=1e-4)
     plain = plain.to(torch.bfloat16)
     plain.bind_target(embed.bfloat16(), lm.bfloat16())
     fast = EagleHead(cfg).to(torch.bfloat16).eval()
@@ -116,7 +126,6 @@ def test_head_linears_run_on_vllms_cpu_gemm(fast_bf16):
                if isinstance(m, torch.nn.Linear))
 
     hidden = torch.randn(6, 2 * H, dtype=torch.bfloat16)
-    tokens = torch.randint(0, V, (6,))
     logp = []
     for head in (plain, fast):
         s = head.draft_session()

@@ -267,6 +267,9 @@ def train(cfg: TrainConfig, resume: str | os.PathLike | None = None) -> Path | N
     bar = tqdm(total=total, initial=step, desc=f"train {cfg.head_type}",
                disable=not (cfg.progress and d.main))
     train_time, run_tokens, started = 0.0, 0, step
+    if cfg.measure_every and cfg.init_from and step == 0 and d.main:
+        # the head it continues, on the same held-out sequences: the learning curve's start
+        log_heldout(cfg, head, measure_fn, measure_seqs, 0, log, bool(eval_seqs))
     while step < total:
         if cfg.unroll_curriculum and head.head_type == "eagle":
             progress = max(step / total, clock() if clock is not None else 0.0)
