@@ -290,8 +290,9 @@ class TreeDraftProposer:
                     aux_hidden_states, accepted)
                 own[req_id] = pairs
             work.append((i, req_id, sampled_token_ids[i], session))
-        # 2. drafts: sampled chains per request; trees (and greedy chains) of all requests
-        # together, a tree level of every request in one head forward (heads.lookup.draft_hybrids)
+        # 2. drafts: sampled chains of all requests in lockstep (heads.sampling.draft_chains);
+        # trees (and greedy chains) of all requests together, a tree level of every request in
+        # one head forward (heads.lookup.draft_hybrids)
         drafts: list[list[int]] = [[] for _ in ib.req_ids]
         probs = {}  # row -> q [K, V] of sampled chains
         # no draft: partial prefill chunk, params trees cannot honour, or no budget (vLLM's
