@@ -456,21 +456,18 @@ class EagleSession:
     def expand_topk_many(items) -> list[tuple[Tensor, Tensor]]:
         """`expand_topk` for several sessions of one head: items (session, tree, nodes, k); the
         missing nodes of all trees run in one packed forward, the logits in one matmul."""
-        feats = EagleSession._features_many([(s, tree, nodes) for s, tree, nodes, _ in items])
-        head = items[0][0].head
-        lg = head.draft_logits(torch.cat(feats)).float()
+        lg, d2t, _ = EagleSession.draft_logits_many([(s, t, nodes) for s, t, nodes, _ in items])
         kmax = max(k for *_, k in items)
         if kmax > lg.shape[-1]:
             raise ValueError(f"cannot draft {kmax} distinct children from a vocabulary of "
                              f"{lg.shape[-1]}")
         values, idx = torch.log_softmax(lg, dim=-1).topk(kmax, dim=-1)
-        d2t = getattr(head, "d2t", None)
         if d2t is not None:
             idx = d2t[idx]
         out, lo = [], 0
-        for f, (*_, k) in zip(feats, items, strict=True):
-            out.append((values[lo : lo + len(f), :k], idx[lo : lo + len(f), :k]))
-            lo += len(f)
+        for _, _, nodes, k in items:  # one row per listed node, in item order
+            out.append((values[lo : lo + len(nodes), :k], idx[lo : lo + len(nodes), :k]))
+            lo += len(nodes)
         return out
 
     @staticmethod
