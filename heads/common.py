@@ -163,19 +163,22 @@ class PendingPairs:
         return item
 
 
-def commit_sessions(items: Sequence) -> None:
+def commit_sessions(items: Sequence, check: Sequence[int] | None = None
+                    ) -> list[tuple[int, int]] | None:
     """Commit (session, target_hidden, tokens) items, one per request: together where the
     sessions' class offers `commit_many` (EagleSession: one packed head forward), else one by
-    one."""
+    one. `check`: per item, how many of its last pairs to test the head on, teacher-forced
+    (`EagleSession.commit_many`); returns (hits, checked) per item, or None where the class
+    cannot (or nothing was asked)."""
     if not items:
-        return
+        return None
     cls = type(items[0][0])
     many = getattr(cls, "commit_many", None)
     if many is not None and all(type(s) is cls for s, *_ in items):
-        many(items)
-        return
+        return many(items, check) if check and any(check) else many(items)
     for session, target_hidden, tokens in items:
         session.commit(target_hidden, tokens)
+    return None
 
 
 def register_head(name: str) -> Callable[[type[DraftHead]], type[DraftHead]]:

@@ -125,6 +125,40 @@ def tree_buffers(parents: Sequence[int] | Tensor, device: Device = None) -> Tree
     )
 
 
+def chain_cover(parents: Sequence[int] | Tensor) -> tuple[int, list[tuple[list[int], list[int]]]]:
+    """A tree as causal chains: what a causal attention kernel can verify without a tree mask.
+
+    Returns (head, paths). Nodes 0..head-1 form a chain in node order (each node the parent of
+    the next), so they attend causally in place. Every other node lies in exactly one path
+    (ancestors, new): `new` is a chain of nodes (each the parent of the next), `ancestors` the
+    root..parent of new[0] in depth order; a causal sequence laid out as ancestors + new gives
+    each node of `new` exactly its ancestors. Paths follow a depth-first walk (children in node
+    order), one per leaf not in the head chain.
+    """
+    par = validate_parents(parents)
+    n = len(par)
+    head = 1
+    while head < n and par[head] == head - 1:
+        head += 1
+    children: list[list[int]] = [[] for _ in range(n)]
+    for i in range(1, n):
+        children[par[i]].append(i)
+    line = {0: [0]}
+    paths: list[tuple[list[int], list[int]]] = []
+    stack = [0]
+    while stack:  # preorder: a node right after its parent continues the parent's path
+        i = stack.pop()
+        if i:
+            line[i] = line[par[i]] + [i]
+        if i >= head:
+            if paths and paths[-1][1][-1] == par[i]:
+                paths[-1][1].append(i)
+            else:
+                paths.append((line[par[i]], [i]))
+        stack.extend(reversed(children[i]))
+    return head, paths
+
+
 # ----------------------------------------------------------------------------- paths
 
 

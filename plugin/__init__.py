@@ -14,6 +14,8 @@ Modules, one per vLLM subsystem touched (every patch goes through ``patching.app
 - ``sampler``: the CPU expand-kernel fix (every CPU process); tree verification (worker).
 - ``tree_step``, ``attention_cpu``, ``kv``: one tree verification step: positions and masks,
   tree attention on the CPU backend, accepted-path KV compaction (worker, tree mode).
+- ``scratch``: the last KV blocks kept from the scheduler as tree-attention scratch (engine core,
+  tree mode).
 - ``metrics``: accepted-depth and tree-size metrics in /metrics and the log line (frontend).
 - ``profile``: per-phase step times when ``TREEDRAFT_PROFILE`` names a file (worker; any engine).
 """
@@ -48,9 +50,9 @@ def register() -> None:
     check_vllm_version(vllm.__version__)
     from vllm.platforms import current_platform
 
-    from . import config, metrics, patching, profile, sampler
+    from . import config, metrics, patching, profile, sampler, scratch
 
-    patching.apply(config.FRONTEND_PATCHES + metrics.FRONTEND_PATCHES)
+    patching.apply(config.FRONTEND_PATCHES + metrics.FRONTEND_PATCHES + scratch.SCHEDULER_PATCHES)
     if os.environ.get(profile.PROFILE_ENV):  # step profile: every runner of this process
         patching.apply(profile.WORKER_PATCHES)
     if current_platform.is_cpu():

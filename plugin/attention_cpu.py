@@ -1,35 +1,49 @@
 """Tree attention on vLLM's CPU backend (CPU_ATTN, registered over the stock class).
 
 The C++ kernel (`cpu_attention_with_kv_cache`) only knows causal masks. A tree's nodes must see
-the whole committed prefix and their own ancestors only, so after the kernel has run for the
-whole batch, the rows of each branching tree are recomputed in torch: K/V of the request's
-prefix and tree are read back from the paged cache (written before attention runs, at
-sequential slots root_pos..root_pos+n) and `scaled_dot_product_attention` runs with the mask
-[ones(prefix) | ancestor_mask]. All trees of a step run as ONE padded batch per layer
-(`TreeBatch`, built once per step): one gather, one SDPA and one scatter per layer, whatever
-the number of requests. Chains keep the kernel's causal result.
+the whole committed prefix and their own ancestors only. Every branching tree of a step is
+therefore handed to the kernel as causal sequences (`TreeSeqs`, built once per step): the
+request's own entry keeps the root and the chain of nodes 1..h-1 that follows it in node order;
+every other root-to-leaf chain (`heads.tree.chain_cover`) becomes one more sequence whose block
+table is the request's own for the full prefix blocks, then scratch blocks (plugin/scratch.py)
+holding a copy of the prefix's partial last block and the chain's K/V in depth order. Each layer
+copies those few slots (the prefix tail + the chain, never the prefix) and runs the kernel ONCE
+for the whole batch with the tree rows permuted so each chain's rows are contiguous. So tree
+rows get the kernel's numerics (the same as chains and no-spec rows), the prefix is read by the
+kernel as for any sequence, and the cost added by a tree grows with its number of chains and
+the block size, not with the prefix length.
 
-The cache interior depends on the kernel ISA; only the `vec` layout is read here (per block and
-KV head: K transposed [D, block], then V [block, D]), so tree mode forces `vec` where vLLM
-would pick `amx` (bf16 on AMX CPUs) and refuses other layouts at startup.
+Trees that do not fit in the step's scratch blocks (or when there are none: a cache too small,
+TREEDRAFT_SCRATCH_BLOCKS=0) are recomputed in torch after the kernel (`TreeBatch`): K/V of the
+request's prefix and tree are read back from the paged cache and one masked
+`scaled_dot_product_attention` per layer runs for all of them, with the mask [ones(prefix) |
+ancestor_mask]. Chains keep the kernel's causal result.
 
-CUDA (designed, not run: CI has no GPU): per-request trees need a per-sequence mask, i.e.
-FLEX_ATTENTION with `logical_mask_mod = kv < P[b] | anc[b, q, kv - P[b]]`, or a vendored copy of
-`triton_unified_attention` whose `qq_bias` gets a per-sequence stride (0.20's TREE_ATTN passed
-one bias shared by the whole batch). The KV copy in plugin/kv.py is layout-specific as well.
+The cache interior depends on the kernel ISA; only the `vec` layout is read and copied here (per
+block and KV head: K transposed [D, block], then V [block, D]), so tree mode forces `vec` where
+vLLM would pick `amx` (bf16 on AMX CPUs) and refuses other layouts at startup.
+
+CUDA (designed, not run: CI has no GPU): the same chain sequences work with any causal paged
+kernel (FLASH_ATTN, triton_unified_attention): scratch blocks + a permuted query, no mask.
+The KV copies in plugin/kv.py and here are layout-specific as well.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 import torch.nn.functional as F
+from vllm import _custom_ops as ops
+from vllm import envs
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
     CPUAttentionMetadataBuilder,
 )
+
+from treedraft.heads.tree import chain_cover
 
 from . import tree_step
 from .config import KEY
@@ -97,30 +111,140 @@ class TreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
 class TreeCPUAttentionBackendImpl(CPUAttentionBackendImpl):
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
-        out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
-                              output_scale, output_block_scale)
-        if attn_metadata is None:
-            return out
-        step = tree_step.of_metadata(attn_metadata)  # set by this engine's runner
+        step = tree_step.of_metadata(attn_metadata) if attn_metadata is not None else None
         trees = step.trees if step is not None else ()
-        if trees and (self.alibi_slopes is not None or self.sliding_window != -1
-                      or self.logits_soft_cap or self.sinks is not None):
+        if not trees:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
+        if (self.alibi_slopes is not None or self.sliding_window != -1
+                or self.logits_soft_cap or self.sinks is not None):
             raise NotImplementedError(
                 "treedraft tree attention supports plain causal decoder attention only (no "
                 "alibi, sliding window, soft cap or sinks); use a chain tree ('chain:K')"
             )
-        if not trees:
-            return out
         t0 = time.perf_counter()
-        batch = step.batch(attn_metadata.block_table, kv_cache.shape[2])
-        k, v = batch.gather(kv_cache)  # [B, Hkv, S, D] every tree's prefix + tree slots
-        q = query.reshape(query.shape[0], self.num_heads, self.head_size)[batch.q_rows]
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=batch.mask,
-                                           scale=self.scale, enable_gqa=True)  # [B, Hq, m, D]
-        o = o.transpose(1, 2)[batch.row_valid]  # [rows of all trees, Hq, D]
-        output.index_copy_(0, batch.out_rows, o.reshape(-1, *output.shape[1:]).to(output.dtype))
+        seqs = step.seqs(attn_metadata, kv_cache.shape[2])
+        meta = seqs.metadata(self, layer, query.dtype)
+        seqs.copy_kv(kv_cache)
+        n = attn_metadata.num_actual_tokens
+        q, o = query, output
+        if seqs.perm is not None:  # each chain's rows contiguous, in depth order
+            q, o = query[:n].index_select(0, seqs.perm), torch.empty_like(output[:n])
         step.attention_seconds += time.perf_counter() - t0
-        return out
+        super().forward(layer, q, key, value, kv_cache, meta, o, output_scale, output_block_scale)
+        t0 = time.perf_counter()
+        if seqs.perm is not None:
+            output[:n].index_copy_(0, seqs.perm, o)
+        if seqs.leftover:  # no scratch left for these: torch recomputation of their rows
+            batch = seqs.batch(attn_metadata.block_table, kv_cache.shape[2])
+            k, v = batch.gather(kv_cache)  # [B, Hkv, S, D] every tree's prefix + tree slots
+            q = query.reshape(query.shape[0], self.num_heads, self.head_size)[batch.q_rows]
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=batch.mask,
+                                               scale=self.scale, enable_gqa=True)
+            o = o.transpose(1, 2)[batch.row_valid]  # [rows of all trees, Hq, D]
+            output.index_copy_(0, batch.out_rows, o.reshape(-1, *output.shape[1:]).to(output.dtype))
+        step.attention_seconds += time.perf_counter() - t0
+        return output
+
+
+class TreeSeqs:
+    """The step's batch with every branching tree split into causal chains (see the module
+    docstring): built once per step from the kernel's metadata, shared by every layer.
+
+    perm: [n] rows of the new query order (None when it is the identity); the kernel's row r is
+    the step's row perm[r]. leftover: trees that did not fit in `scratch` (torch path)."""
+
+    def __init__(self, trees, md, block_size: int, scratch: range) -> None:
+        bs = block_size
+        by_req = {t.req_index: t for t in trees}
+        qsl, lens = md.query_start_loc.tolist(), md.seq_lens.tolist()
+        table = md.block_table
+        rows, new_qsl, new_lens, perm = [], [0], [], []
+        src, dst = [], []  # (block, offset) slot pairs copied into scratch, per layer
+        tails = []  # (real block, scratch block): the prefix's partial last block, copied whole
+        free = list(scratch)
+        self.leftover = []
+
+        def add(row, q_rows, seq_len):
+            rows.append(row)
+            perm.extend(q_rows)
+            new_qsl.append(new_qsl[-1] + len(q_rows))
+            new_lens.append(seq_len)
+
+        for i in range(len(lens)):
+            q0, q1 = qsl[i], qsl[i + 1]
+            t = by_req.get(i)
+            head, paths = chain_cover(t.parents) if t is not None else (0, [])
+            P = t.root_pos if t is not None else 0
+            need = sum(-(-(P % bs + len(a) + len(b)) // bs) for a, b in paths)
+            if (t is None or need > len(free) or q0 != t.qs or q1 - q0 != t.size
+                    or lens[i] != P + t.size):
+                if t is not None:
+                    self.leftover.append(t)
+                add(table[i], range(q0, q1), lens[i])
+                continue
+            add(table[i], range(q0, q0 + head), P + head)
+            c0 = P // bs
+            for anc, new in paths:
+                line = anc + new
+                nblk = -(-(P % bs + len(line)) // bs)
+                blocks, free = free[:nblk], free[nblk:]
+                row = table[i].clone()
+                row[c0 : c0 + nblk] = torch.tensor(blocks, dtype=row.dtype)
+                if P % bs:  # the prefix's partial last block (one contiguous block copy; the
+                    # chain then overwrites the slots from P % bs on)
+                    tails.append((int(table[i, c0]), blocks[0]))
+                for k, node in enumerate(line):  # the chain, in depth order
+                    pos, lpos = P + node, P % bs + k
+                    src.append((int(table[i, pos // bs]), pos % bs))
+                    dst.append((blocks[lpos // bs], lpos % bs))
+                add(row, [q0 + j for j in new], P + len(line))
+        self.block_table = torch.stack(rows)
+        self.query_start_loc = torch.tensor(new_qsl, dtype=md.query_start_loc.dtype)
+        self.seq_lens = torch.tensor(new_lens, dtype=md.seq_lens.dtype)
+        order = torch.tensor(perm, dtype=torch.long)
+        n = md.num_actual_tokens
+        self.perm = None if torch.equal(order, torch.arange(n)) else order
+        s, d = torch.tensor(src, dtype=torch.long).view(-1, 2), torch.tensor(dst).view(-1, 2)
+        self.src_block, self.src_off, self.dst_block, self.dst_off = s[:, 0], s[:, 1], d[:, 0], d[:, 1]
+        t = torch.tensor(tails, dtype=torch.long).view(-1, 2)
+        self.tail_src, self.tail_dst = t[:, 0], t[:, 1]
+        self._md = md
+        self._meta = None
+        self._batch = None
+
+    def metadata(self, impl, layer, dtype):
+        """The kernel's metadata for these sequences (scheduler metadata computed once)."""
+        if self._meta is None:
+            md = self._md
+            sched = ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=len(self.seq_lens), num_heads=impl.num_heads,
+                num_kv_heads=impl.num_kv_heads, head_dim=impl.head_size, seq_lens=self.seq_lens,
+                dtype=dtype, query_start_loc=self.query_start_loc, causal=md.causal,
+                sliding_window_size=-1, isa=layer.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+                dynamic_causal=None, kv_cache_dtype=impl.kv_cache_dtype)
+            diff = self.query_start_loc[1:] - self.query_start_loc[:-1]
+            self._meta = dataclasses.replace(
+                md, query_start_loc=self.query_start_loc, seq_lens=self.seq_lens,
+                block_table=self.block_table, scheduler_metadata=sched,
+                max_query_len=int(diff.max()), max_seq_len=int(self.seq_lens.max()))
+        return self._meta
+
+    def copy_kv(self, kv_cache: torch.Tensor) -> None:
+        """This layer's prefix tails and chains into the scratch blocks (vec layout)."""
+        if len(self.tail_src):
+            kv_cache.index_copy_(0, self.tail_dst, kv_cache.index_select(0, self.tail_src))
+        if not len(self.src_block):
+            return
+        kc, vc = vec_views(kv_cache)  # [nb, Hkv, D, bs], [nb, Hkv, bs, D]
+        kc[self.dst_block, :, :, self.dst_off] = kc[self.src_block, :, :, self.src_off]
+        vc[self.dst_block, :, self.dst_off, :] = vc[self.src_block, :, self.src_off, :]
+
+    def batch(self, block_table: torch.Tensor, block_size: int):
+        """The leftover trees as one torch attention batch (`TreeBatch`), built once."""
+        if self._batch is None:
+            self._batch = TreeBatch(self.leftover, block_table, block_size)
+        return self._batch
 
 
 class TreeBatch:

@@ -50,6 +50,9 @@ from .config import KEY
 from .sampler import request_unsupported
 
 logger = init_logger("vllm.treedraft")
+# "tree": "auto": positions a catch-up commit tests the head on, teacher-forced, per request
+# (one draft-LM-head row each): a steadier acceptance estimate than the few steps it explores
+TEACHER_CHECKS = 32
 
 
 def target_weights(model, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,6 +87,7 @@ class AutoBudget:
         self._log_at = 0.0
         self._fitted = False
         self.explorations = 0
+        self.teacher_checks = 0  # positions the head was tested on, teacher-forced
 
     def set_rates(self, rates) -> None:
         from treedraft.heads.cost import BudgetPolicy, expected_lengths
@@ -104,6 +108,18 @@ class AutoBudget:
                 observed += sampled[req_id] - 1
         self.policy.observe(expected, observed)
 
+    @property
+    def drafted(self) -> dict[str, int]:
+        """req_id -> nodes drafted for it last step (requests that drafted)."""
+        return self._drafted
+
+    def observe_teacher(self, hits: int, checked: int) -> None:
+        """`checked` positions where the head's first draft, teacher-forced, would have been the
+        target's token `hits` times: observed as that many one-node drafts."""
+        if checked and 1 in self.policy.table:
+            self.policy.observe(checked * (self.policy.table[1] - 1.0), float(hits))
+            self.teacher_checks += checked
+
     def choose(self, batch: int) -> int:
         n, explored = self.policy.choose(batch)
         self.explorations += explored
@@ -118,9 +134,10 @@ class AutoBudget:
                 "treedraft auto: %d drafting requests -> %d nodes each (expected %.2f tokens per "
                 "request-step, acceptance x%.2f of the head's table; step ~ %.1f ms + %.2f "
                 "ms/decode row + %.2f ms/prefill row + %.2f ms/verified draft + %.2f ms/drafted "
-                "node; %d steps measured, %d explored)", batch, n, self.policy.lengths()[n],
-                self.policy.acceptance.kappa, *(1e3 * c for c in coef),
-                len(self.policy.model.samples), self.explorations)
+                "node; %d steps measured, %d explored, %d positions checked teacher-forced)",
+                batch, n, self.policy.lengths()[n], self.policy.acceptance.kappa,
+                *(1e3 * c for c in coef), len(self.policy.model.samples), self.explorations,
+                self.teacher_checks)
             self._logged, self._log_at = (batch, n), now
         return n
 
@@ -313,7 +330,14 @@ class TreeDraftProposer:
             flushed = [(req_id, item) for _, req_id, _, session in work
                        if (req_id in drafting or self.pending[req_id].full)
                        and (item := self.pending[req_id].flush(session)) is not None]
-            commit_sessions([item for _, item in flushed])
+            # auto: test the head, teacher-forced, on pairs of steps that drafted nothing for
+            # the request (what drafting one node would have earned there; drafted steps are
+            # observed from their accepted drafts instead)
+            check = [TEACHER_CHECKS if self.auto is not None and req_id not in self.auto.drafted
+                     else 0 for req_id, _ in flushed]
+            found = commit_sessions([item for _, item in flushed], check)
+            if found:
+                self.auto.observe_teacher(sum(h for h, _ in found), sum(n for _, n in found))
             if flushed:
                 total = sum(len(item[2]) for _, item in flushed)
                 mine = sum(own[req_id] for req_id, _ in flushed)

@@ -103,11 +103,26 @@ def _wrap_sample_tokens(original):
     return sample_tokens
 
 
+def _scratch(runner) -> range:
+    """The KV blocks the scheduler never hands out (plugin/scratch.py), once per runner."""
+    blocks = getattr(runner, SCRATCH_ATTR, None)
+    if blocks is None:
+        from .scratch import scratch_range
+
+        blocks = scratch_range(runner.vllm_config, runner.kv_cache_config.num_blocks)
+        setattr(runner, SCRATCH_ATTR, blocks)
+    return blocks
+
+
+SCRATCH_ATTR = "_treedraft_scratch"
+
+
 def build_step(runner, scheduler_output) -> tree_step.TreeStep:
     from .sampler import request_unsupported
 
     ib = runner.input_batch
     step = tree_step.TreeStep(scheduler_output.total_num_scheduled_tokens)
+    step.scratch = _scratch(runner)
     qsl = runner.query_start_loc.np
     for i, req_id in enumerate(ib.req_ids):
         drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)

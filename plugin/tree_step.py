@@ -41,22 +41,24 @@ class TreeStep:
     accepted: dict[str, list[int]] = field(default_factory=dict)  # req_id -> accepted node ids
     attention_seconds: float = 0.0  # torch tree attention of this step, all layers (profile)
     compaction_seconds: float = 0.0  # accepted-path K/V moves of this step (profile)
+    scratch: range = range(0)  # KV block ids this step may overwrite (plugin/scratch.py)
 
-    _batch: tuple | None = field(default=None, repr=False)  # (block table, TreeBatch)
+    _seqs: tuple | None = field(default=None, repr=False)  # (metadata, TreeSeqs)
 
     @property
     def trees(self) -> list[TreeRequest]:
         """Requests whose drafts branch (need the ancestor mask and tree positions)."""
         return [r for r in self.requests.values() if not r.is_chain]
 
-    def batch(self, block_table: torch.Tensor, block_size: int):
-        """The step's trees as one attention batch (plugin/attention_cpu.TreeBatch), built by
-        the first layer and shared by the others (same block table)."""
-        if self._batch is None or self._batch[0] is not block_table:
-            from treedraft.plugin.attention_cpu import TreeBatch
+    def seqs(self, attn_metadata, block_size: int):
+        """The step's batch with its trees as causal chains (plugin/attention_cpu.TreeSeqs),
+        built by the first layer and shared by the others (same metadata object)."""
+        if self._seqs is None or self._seqs[0] is not attn_metadata:
+            from treedraft.plugin.attention_cpu import TreeSeqs
 
-            self._batch = (block_table, TreeBatch(self.trees, block_table, block_size))
-        return self._batch[1]
+            self._seqs = (attn_metadata, TreeSeqs(self.trees, attn_metadata, block_size,
+                                                  self.scratch))
+        return self._seqs[1]
 
 
 STEP_ATTR = "_treedraft_step"  # runner attribute: the TreeStep being executed, or None

@@ -149,10 +149,14 @@ def _impl_and_cache(Hq=9, Hkv=3, D=64, nb=16, bs=32):
     return impl, kv, layer
 
 
-def test_tree_rows_attend_to_prefix_and_ancestors_only():
+@pytest.mark.parametrize("scratch", [range(14, 20), range(17, 20), range(0)],
+                         ids=["kernel", "kernel+torch", "torch"])
+def test_tree_rows_attend_to_prefix_and_ancestors_only(scratch):
     """Chains keep the kernel's causal rows; every tree's rows (two trees of different prefix and
-    tree sizes, attended as one padded batch) see their prefix and ancestors only, whatever the
-    unused cache slots hold (NaN here)."""
+    tree sizes) see their prefix and ancestors only, whatever the unused cache slots hold (NaN
+    here): through the kernel as causal chains in scratch blocks (both trees fit), the kernel for
+    one tree and torch for the other (scratch for one only), or torch for both (no scratch).
+    The second tree's chain crosses into a second scratch block."""
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
 
@@ -161,13 +165,14 @@ def test_tree_rows_attend_to_prefix_and_ancestors_only():
 
     torch.manual_seed(0)
     Hq, Hkv, D, bs = 9, 3, 64, 32
-    impl, kv, layer = _impl_and_cache(Hq, Hkv, D, bs=bs)
-    # request 0: a chain of 3 drafts at root position 40; requests 1, 2: trees at 70 and 20
+    impl, kv, layer = _impl_and_cache(Hq, Hkv, D, nb=20, bs=bs)
+    # request 0: a chain of 3 drafts at root position 40; requests 1, 2: trees at 70 and 30
     trees = {1: [-1, 0, 0, 1, 2, 1, 3], 2: [-1, 0, 0, 2]}
-    P = [40, 70, 20]
+    P = [40, 70, 30]
     n_rows = [4, len(trees[1]), len(trees[2])]
-    blocks = [torch.tensor([5, 2]), torch.tensor([7, 1, 9]), torch.tensor([4])]
+    blocks = [torch.tensor([5, 2]), torch.tensor([7, 1, 9]), torch.tensor([4, 10])]
     kv[[0, 3, 6, 8]] = float("nan")  # blocks of no request (the block table's padding: 0)
+    kv[14:] = 1e4  # scratch: stale K/V of earlier steps
     block_table = torch.zeros(3, 4, dtype=torch.int32)
     K, V, slots_all = [], [], []
     for r in range(3):
@@ -191,7 +196,7 @@ def test_tree_rows_attend_to_prefix_and_ancestors_only():
                                 query_start_loc=qsl, max_seq_len=int(seq_lens.max()),
                                 seq_lens=seq_lens, block_table=block_table,
                                 slot_mapping=torch.cat(slots_all), scheduler_metadata=md)
-    step = tree_step.TreeStep(sum(n_rows))
+    step = tree_step.TreeStep(sum(n_rows), scratch=scratch)
     step.requests[0] = tree_step.make_request(0, "a", 0, P[0], 11, [1, 2, 3], None)
     for r, parents in trees.items():
         tree = DraftTree(torch.arange(len(parents)), torch.tensor(parents),
@@ -220,6 +225,41 @@ def test_tree_rows_attend_to_prefix_and_ancestors_only():
             torch.testing.assert_close(out[qs[r] + i], ref, atol=2e-5, rtol=1e-4)
     assert not torch.allclose(out[qs[1] + 2], causal[qs[1] + 2])  # the mask mattered
     assert not torch.allclose(out[qs[2] + 3], causal[qs[2] + 3])
+    seqs = step.seqs(meta, bs)
+    assert [t.req_index for t in seqs.leftover] == {6: [], 3: [2], 0: [1, 2]}[len(scratch)]
+    if len(scratch) == 6:  # tree 1: head chain + 3 chains, tree 2: head + 1 chain
+        assert seqs.seq_lens.tolist() == [44, 72, 74, 73, 73, 32, 33]
+        assert seqs.block_table[-1, :2].tolist() == [17, 18]  # 30 + 3 slots: two blocks
+
+
+def test_scratch_blocks_fit_the_cache(monkeypatch):
+    """Tree scratch: up to SCRATCH_BLOCKS, at most 1/8 of the cache, and never so many that one
+    request of max_model_len no longer fits (then none: torch tree attention)."""
+    from treedraft.plugin.scratch import SCRATCH_BLOCKS, SCRATCH_ENV, scratch_count
+
+    monkeypatch.delenv(SCRATCH_ENV, raising=False)
+    assert scratch_count(690, 128, 2048) == SCRATCH_BLOCKS == 32
+    assert scratch_count(80, 128, 2048) == 10  # 1/8
+    assert scratch_count(20, 128, 2048) == 2  # 16 blocks of max_model_len + the null block
+    assert scratch_count(5, 128, 512) == 0  # the engine tests' small cache
+    monkeypatch.setenv(SCRATCH_ENV, "0")
+    assert scratch_count(690, 128, 2048) == 0
+
+
+def test_chain_cover_gives_each_node_its_ancestors_once():
+    from treedraft.heads.tree import chain_cover
+
+    for parents in ([-1, 0, 0, 1, 2, 1, 3], [-1, 0, 1, 2], [-1, 0, 0, 0, 1, 1, 2, 4, 7, 7]):
+        head, paths = chain_cover(parents)
+        covered = list(range(head))
+        assert all(parents[i] == i - 1 for i in range(1, head))
+        for ancestors, new in paths:
+            line = ancestors + new
+            assert line[0] == 0 and all(parents[b] == a for a, b in zip(line, line[1:], strict=False))
+            covered += new
+        assert sorted(covered) == list(range(len(parents)))  # every node exactly once
+    assert chain_cover([-1, 0, 0, 1, 2, 1, 3]) == (2, [([0, 1], [3, 6]), ([0, 1], [5]),
+                                                       ([0], [2, 4])])
 
 
 def test_copy_slots_moves_accepted_kv_to_sequential_slots():
