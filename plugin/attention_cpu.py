@@ -7,7 +7,7 @@ request's own entry keeps the root and the chain of nodes 1..h-1 that follows it
 every other root-to-leaf chain (`heads.tree.chain_cover`) becomes one more sequence whose block
 table is the request's own for the full prefix blocks, then scratch blocks (plugin/scratch.py)
 holding a copy of the prefix's partial last block and the chain's K/V in depth order. Each layer
-copies those few slots (the prefix tail + the chain, never the prefix) and runs the kernel ONCE
+copies one block and a few slots per chain (never the prefix) and runs the kernel ONCE
 for the whole batch with the tree rows permuted so each chain's rows are contiguous. So tree
 rows get the kernel's numerics (the same as chains and no-spec rows), the prefix is read by the
 kernel as for any sequence, and the cost added by a tree grows with its number of chains and
