@@ -163,6 +163,14 @@ class PendingPairs:
         return item
 
 
+def batched(objects: Sequence, name: str) -> Callable | None:
+    """The batched method `name` (e.g. EagleSession.commit_many) of the objects' class, when they
+    are all of that one class and it has it; else None (the caller goes one by one)."""
+    cls = type(objects[0]) if len(objects) else None
+    many = getattr(cls, name, None)
+    return many if many is not None and all(type(o) is cls for o in objects) else None
+
+
 def commit_sessions(items: Sequence, check: Sequence[int] | None = None
                     ) -> list[tuple[int, int]] | None:
     """Commit (session, target_hidden, tokens) items, one per request: together where the
@@ -172,9 +180,8 @@ def commit_sessions(items: Sequence, check: Sequence[int] | None = None
     cannot (or nothing was asked)."""
     if not items:
         return None
-    cls = type(items[0][0])
-    many = getattr(cls, "commit_many", None)
-    if many is not None and all(type(s) is cls for s, *_ in items):
+    many = batched([s for s, *_ in items], "commit_many")
+    if many is not None:
         return many(items, check) if check and any(check) else many(items)
     for session, target_hidden, tokens in items:
         session.commit(target_hidden, tokens)

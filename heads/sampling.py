@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .common import batched
 from .tree import Device, DraftTree, validate_parents
 
 SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below it mean greedy
@@ -271,10 +272,7 @@ def draft_chains(jobs: Sequence[tuple[int, object, SamplingParams, torch.Generat
     if not jobs:
         return []
     expanders = [e for _, e, *_ in jobs]
-    cls = type(expanders[0])
-    many = getattr(cls, "draft_logits_many", None)
-    if any(type(e) is not cls for e in expanders):
-        many = None
+    many = batched(expanders, "draft_logits_many")
     tokens = [[int(root)] for root, *_ in jobs]
     logprobs: list[list[float]] = [[0.0] for _ in jobs]
     qs: list[list[Tensor]] = [[] for _ in jobs]

@@ -33,6 +33,8 @@ from typing import Literal, Protocol
 import torch
 from torch import Tensor
 
+from .common import batched
+
 MAX_TREE_DEPTH = 16  # deepest drafted node (root excluded)
 MAX_TREE_NODES = 256  # drafted nodes (root excluded)
 DEFAULT_TOPK = 8
@@ -697,8 +699,7 @@ def draft_trees(
 
 def _expand_many(items: list[tuple]) -> list[tuple[list, list]]:
     """Top-k (log-probs, tokens) lists per item (expander, tree, nodes, k)."""
-    cls = type(items[0][0])
-    many = getattr(cls, "expand_topk_many", None)
-    if many is None or any(type(e) is not cls for e, *_ in items):
+    many = batched([e for e, *_ in items], "expand_topk_many")
+    if many is None:
         return [_expand_topk(*item) for item in items]
     return [(v.tolist(), t.tolist()) for v, t in many(items)]
