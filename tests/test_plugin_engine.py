@@ -287,8 +287,9 @@ def test_bf16_tree_diverges_only_where_no_speculation_is_at_a_near_tie(runs, pro
     BF16_ULPS bfloat16 ulps of the top logit (or if that token is not in its top 5): a logic
     error shows up as a divergence at a clear gap (tens of ulps and more). Measured on a
     2-core AVX2 CPU: with tree rows through vLLM's kernel (plugin/attention_cpu.TreeSeqs) 2 of 8
-    prompts diverge, at gaps of 3 and 0 ulps; with the torch recomputation of every tree's rows
-    it was 4 of 8, at 0, 1, 2 and 3 ulps (once to the third-ranked token). The bound leaves
+    prompts diverge with the stage-5 head (gaps of 3 and 0 ulps) and 3 of 8 with the stage-6 head
+    (1, 3 and 0 ulps); with the torch recomputation of every tree's rows it was 4 of 8, at 0, 1, 2
+    and 3 ulps (once to the third-ranked token). The bound leaves
     room for other CPUs' kernels (AMX) rounding differently."""
     base = runs["base_bf16"][0]["greedy"]
     res = runs["tree_bf16"][0]["greedy"]
