@@ -46,16 +46,9 @@ from vllm.v1.attention.backends.cpu_attn import (
 from treedraft.heads.tree import chain_cover
 
 from . import tree_step
-from .config import KEY
+from .config import tree_mode
 
 CLASS_PATH = "treedraft.plugin.attention_cpu.TreeCPUAttentionBackend"
-
-
-def tree_mode(vllm_config) -> bool:
-    from treedraft.heads.tree import parse_tree_spec
-
-    td = (vllm_config.additional_config or {}).get(KEY)
-    return bool(td) and not parse_tree_spec(td["tree"]).is_chain
 
 
 def vec_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

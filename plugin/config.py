@@ -35,6 +35,15 @@ from .patching import Patch
 
 PROPOSER = "treedraft.plugin.proposer.TreeDraftProposer"
 KEY = "treedraft"  # additional_config key
+
+
+def tree_mode(vllm_config) -> bool:
+    """Whether this engine verifies branching trees (tree attention, scratch KV blocks); read in
+    every process that builds an engine part, so it imports nothing of vLLM's."""
+    from treedraft.heads.tree import parse_tree_spec
+
+    td = (vllm_config.additional_config or {}).get(KEY)
+    return bool(td) and not parse_tree_spec(td["tree"]).is_chain
 TREEDRAFT_KEYS = ("tree",)
 # --speculative-config keys and the --spec-* shorthand attributes of EngineArgs they merge with
 FLAGS = {"method": "spec_method", "model": "spec_model", "num_speculative_tokens": "spec_tokens"}

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import os
 
+from .config import tree_mode
 from .patching import Patch
 
 SCRATCH_ENV = "TREEDRAFT_SCRATCH_BLOCKS"  # override (0 = torch tree attention only; tests)
@@ -36,8 +37,6 @@ def scratch_count(num_blocks: int, block_size: int, max_model_len: int) -> int:
 
 def scratch_range(vllm_config, num_blocks: int) -> range:
     """Block ids of the scratch in a worker cache of `num_blocks` blocks (empty unless tree mode)."""
-    from .attention_cpu import tree_mode
-
     if not tree_mode(vllm_config):
         return range(0)
     n = scratch_count(num_blocks, vllm_config.cache_config.block_size,

@@ -39,7 +39,7 @@ class TreeStep:
     num_tokens: int  # total scheduled tokens of the step
     requests: dict[int, TreeRequest] = field(default_factory=dict)  # req_index -> request
     accepted: dict[str, list[int]] = field(default_factory=dict)  # req_id -> accepted node ids
-    attention_seconds: float = 0.0  # torch tree attention of this step, all layers (profile)
+    attention_seconds: float = 0.0  # what trees add to attention this step, all layers (profile)
     compaction_seconds: float = 0.0  # accepted-path K/V moves of this step (profile)
     scratch: range = range(0)  # KV block ids this step may overwrite (plugin/scratch.py)
 
