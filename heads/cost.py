@@ -207,6 +207,11 @@ class BudgetPolicy:
         self._up = False  # the last exploration went up (they alternate where both exist)
         self._choice = 0
 
+    @property
+    def choice(self) -> int:
+        """The budget the model chose last (what `choose` returns when it does not explore)."""
+        return self._choice
+
     def lengths(self) -> dict[int, float]:
         k = self.acceptance.kappa
         return {n: 1.0 + k * (e - 1.0) for n, e in self.table.items()}

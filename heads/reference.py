@@ -115,16 +115,16 @@ def speculative_generate(
 ) -> DecodeResult:
     """Tree speculative decoding; same output distribution as ``plain_generate``.
 
-    Chains at T > 0 draw each draft from the head's distribution q (under the request's
-    temperature/top-k/top-p) and verify with speculative sampling against q, as the vLLM plugin
-    does; trees (and greedy chains) draft the top-ranked tokens and use `verify_tree`. A spec
+    Chains at T > 0 (any spec whose trees are chains: `TreeSpec.chain_nodes`) draw each draft
+    from the head's distribution q (under the request's temperature/top-k/top-p) and verify with
+    speculative sampling against q, as the vLLM plugin does; trees (and greedy chains) draft the top-ranked tokens and use `verify_tree`. A spec
     with lookup nodes ('+lookup:N', or 'lookup:N' with head=None) grafts prompt-lookup branches
     over prompt + output so far into the tree (heads/lookup.py).
     """
     if spec.has_head == (head is None):
         raise ValueError(f"tree {spec.to_string()!r} " + (
             "needs a draft head" if head is None else "drafts without a head: pass head=None"))
-    sampled_chain = spec.is_chain and not params.greedy
+    sampled_chain = spec.chain_nodes is not None and not params.greedy
     logits, hidden = _prefill(target, prompt)
     root = sample(logits[-1], params, generator)  # first generated token = root of the first tree
     session = head.draft_session() if head is not None else None
@@ -137,7 +137,7 @@ def speculative_generate(
     while not _done(result.tokens, max_new_tokens, eos):
         sources = None
         if sampled_chain:  # drafts drawn from q, speculative sampling with q (as vLLM does)
-            tree, q = draft_chain(root, session, spec.max_nodes, params, generator)
+            tree, q = draft_chain(root, session, spec.chain_nodes, params, generator)
         else:
             hybrid = draft_hybrid(root, session, spec, index, acceptance_rates)
             tree, sources = hybrid.tree, hybrid.sources

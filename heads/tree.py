@@ -347,6 +347,20 @@ class TreeSpec:
         return self.head_nodes + self.lookup
 
     @property
+    def chain_nodes(self) -> int | None:
+        """K when every tree drafted from this spec is a chain of K head nodes and no lookup
+        nodes (chain:K, dynamic:K,K,1, a one-node static or dynamic tree), else None. Drafts of
+        these shapes at T > 0 are drawn from the head's q and verified against q
+        (heads.sampling.draft_chains / verify_chain), in chain and in tree mode alike."""
+        if self.lookup or not self.has_head:
+            return None
+        if self.kind == "paths":
+            return len(self.paths) if self.is_chain else None
+        if self.num_nodes == 1 or (self.kind == "dynamic" and self.topk == 1):
+            return self.num_nodes  # dynamic topk 1: DEPTH == NODES (checked), one path
+        return None
+
+    @property
     def is_chain(self) -> bool:
         """True for chain:K (one child per node), which plain chain verification handles.
         Lookup branches make any spec a tree (they may branch off the head's chain)."""

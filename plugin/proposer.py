@@ -17,9 +17,11 @@ forward, each tree level of all requests in one more (`EagleSession.commit_many`
 against that request's own in-place head KV cache.
   Chains of requests that sample (T > 0) draw each token from the head's distribution q under
   the request's temperature/top-k/top-p (`heads.sampling.draft_chains`, one head forward per
-  level for all of them, over the draft vocabulary) and hand q to vLLM's
-  rejection sampler as draft probabilities (`last_draft_probs`); greedy requests and trees draft
-  the top-ranked tokens (q one-hot, vLLM's default).
+  level for all of them, over the draft vocabulary): in chain mode q goes to vLLM's rejection
+  sampler as draft probabilities (`last_draft_probs`); in tree mode, where a step's spec drafts
+  chains (`TreeSpec.chain_nodes`: "auto" at a budget of one node, dynamic:K,K,1), q stays with
+  the chain (`chain_q`) and plugin/sampler.verify_trees verifies it against q. Greedy requests
+  and branching trees draft the top-ranked tokens (q one-hot, vLLM's default).
 
 Trees with lookup nodes ('+lookup:N'; 'lookup:N' alone runs no head) keep one incremental
 `heads.lookup.LookupIndex` per request over its token history (prompt + output, vLLM's
@@ -42,7 +44,7 @@ import torch
 from vllm.logger import init_logger
 
 from treedraft.heads.common import PendingPairs, commit_sessions
-from treedraft.heads.lookup import SOURCES, LookupIndex, accepted_by_source, draft_hybrids
+from treedraft.heads.lookup import HEAD, SOURCES, LookupIndex, accepted_by_source, draft_hybrids
 from treedraft.heads.sampling import draft_chains
 from treedraft.heads.tree import MAX_TREE_DEPTH, DraftTree, parse_tree_spec
 
@@ -55,6 +57,10 @@ logger = init_logger("vllm.treedraft")
 # estimate than the few steps it explores, at a bounded cost (32 checks of each of 32 requests
 # were ~100 ms per exploration at batch 32)
 TEACHER_CHECKS = 32
+# "tree": "auto": requests an exploration up from drafting nothing drafts for (the ones with the
+# fewest pairs to catch up): at batch 32 all of them made ~1,000 pairs of catch-up commits in
+# one step, where a few requests measure what drafting costs and earns just as well
+EXPLORE_REQUESTS = 4
 
 
 def target_weights(model, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,7 +128,9 @@ class AutoBudget:
             self.policy.observe(checked * (self.policy.table[1] - 1.0), float(hits))
             self.teacher_checks += checked
 
-    def choose(self, batch: int) -> int:
+    def choose(self, batch: int) -> tuple[int, int | None]:
+        """(node budget, how many of the `batch` requests draft it: None for all; an
+        exploration up from drafting nothing drafts for EXPLORE_REQUESTS of them)."""
         n, explored = self.policy.choose(batch)
         self.explorations += explored
         now = time.monotonic()
@@ -141,7 +149,8 @@ class AutoBudget:
                 *(1e3 * c for c in coef), len(self.policy.model.samples), self.explorations,
                 self.teacher_checks)
             self._logged, self._log_at = (batch, n), now
-        return n
+        few = explored and self.policy.choice == 0 and batch > EXPLORE_REQUESTS
+        return n, (EXPLORE_REQUESTS if few else None)
 
     def step_started(self) -> None:
         now = time.perf_counter()
@@ -198,6 +207,7 @@ class TreeDraftProposer:
         self.sessions: dict[str, object] = {}
         self.pending: dict[str, PendingPairs] = {}  # per request, pairs its session has not read
         self.trees: dict[str, DraftTree] = {}  # drafted this step, verified next step (tree mode)
+        self.chain_q: dict[str, torch.Tensor] = {}  # q [K, V] of the sampled chains in `trees`
         self.lookups: dict[str, LookupIndex] = {}  # per request, its token history indexed
         self.sources: dict[str, torch.Tensor] = {}  # per request, HEAD/LOOKUP bits of its tree
         self.source_stats = None  # accepted tokens by source -> the frontend (tree mode)
@@ -288,6 +298,7 @@ class TreeDraftProposer:
             self.sessions.pop(gone, None)  # finished
             self.lookups.pop(gone, None)
             self.trees.pop(gone, None)
+            self.chain_q.pop(gone, None)
             self.sources.pop(gone, None)
             self.pending.pop(gone, None)
         if self.source_stats is not None:  # draft sessions held now (leak check: /metrics)
@@ -321,7 +332,10 @@ class TreeDraftProposer:
         if self.auto is not None:
             self.auto.observe({req_id: len(sampled) for _, req_id, sampled, _ in work})
         if self.auto is not None and eligible and budget:
-            budget = min(budget, self.auto.choose(len(eligible)))
+            n, few = self.auto.choose(len(eligible))
+            budget = min(budget, n)
+            if few is not None:  # explore with the requests that have the least to catch up
+                eligible = sorted(eligible, key=lambda e: len(self.pending[e[1]]))[:few]
         if not budget:
             eligible = []
         drafting = {req_id for _, req_id, *_ in eligible}
@@ -347,14 +361,17 @@ class TreeDraftProposer:
                 mine = sum(own[req_id] for req_id, _ in flushed)
                 catch_up = (time.perf_counter() - t0) * max(total - mine, 0) / total
         for _, req_id, *_ in work:
+            self.chain_q.pop(req_id, None)  # drafted again below, or not at all
             if req_id not in drafting:
                 self.trees.pop(req_id, None)
                 self.sources.pop(req_id, None)
         spec = self.spec_for(budget) if budget else self.spec
+        # sampled requests draft chains from q where this step's trees are chains
+        chain_depth = min(spec.chain_nodes or 0, budget)
         jobs = []  # (i, req_id, root, session, lookup index)
         chains = []  # (i, (root, session, params, generator)) of sampled chains
         for i, req_id, sampled, session in eligible:
-            params = None if self.tree_mode else self._sampled_params(runner, req_id)
+            params = self._sampled_params(runner, req_id) if chain_depth else None
             if params is not None:
                 # a seeded request draws its drafts from its own generator (reproducible)
                 chains.append((i, (sampled[-1], session, params, ib.generators.get(i))))
@@ -364,9 +381,16 @@ class TreeDraftProposer:
                 index = self.lookups.setdefault(req_id, LookupIndex())
                 index.sync(ib.token_ids_cpu[i, : ib.num_tokens_no_spec[i]])  # a view: O(new)
             jobs.append((i, req_id, sampled[-1], session, index))
-        for (i, _), (chain, probs[i]) in zip(
-                chains, draft_chains([job for _, job in chains], spec.max_nodes), strict=True):
+        drawn = draft_chains([job for _, job in chains], chain_depth) if chains else []
+        for (i, _), (chain, q) in zip(chains, drawn, strict=True):
             drafts[i] = chain.tokens[1:].tolist()
+            if not self.tree_mode:
+                probs[i] = q  # -> vLLM's rejection sampler
+                continue
+            req_id = ib.req_ids[i]  # -> plugin/sampler.verify_trees, with the chain
+            self.trees[req_id], self.chain_q[req_id] = chain, q
+            self.sources[req_id] = torch.full_like(chain.tokens, HEAD, dtype=torch.int8)
+            self.sources[req_id][0] = 0
         hybrids = draft_hybrids([(root, session, index) for _, _, root, session, index in jobs],
                                 spec, self.rates, device=hidden_states.device) if jobs else []
         for (i, req_id, *_), hybrid in zip(jobs, hybrids, strict=True):

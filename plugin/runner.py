@@ -132,7 +132,8 @@ def build_step(runner, scheduler_output) -> tree_step.TreeStep:
             drafts = []  # not drafted by us (we give such requests none): vLLM samples the root
         qs, root_pos = int(qsl[i]), int(ib.num_computed_tokens_cpu[i])
         req = tree_step.make_request(i, req_id, qs, root_pos, int(ib.token_ids_cpu[i, root_pos]),
-                                     drafts, runner.drafter.trees.get(req_id))
+                                     drafts, runner.drafter.trees.get(req_id),
+                                     runner.drafter.chain_q.get(req_id))
         step.requests[i] = req
         if not req.is_chain:
             runner.positions[qs : qs + req.size] = root_pos + torch.tensor(req.depths)

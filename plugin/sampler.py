@@ -119,14 +119,16 @@ def verify_trees(runner, logits: torch.Tensor, meta, step) -> object:
     """Replacement for vLLM's RejectionSampler in tree mode; same output format.
 
     Rows of request r in `logits`: its n_r draft rows then its bonus row, i.e. the target's
-    logits after each tree node [root, n1..nN] in node order, which is what `verify_tree` takes.
+    logits after each tree node [root, n1..nN] in node order, which is what `verify_tree` takes
+    (a chain drawn from the head's q, `TreeRequest.q`: `verify_chain` against q).
     Requests without (valid) drafts keep vLLM's own sampler (all its sampling parameters apply).
     Output: [B, max_spec_len + 1] int32, accepted path tokens then the next token, -1 padded;
     logprobs (when any request asked) in the same layout, the target's for every output token.
     """
+    from vllm.logger import init_logger
     from vllm.v1.outputs import SamplerOutput
 
-    from treedraft.heads.sampling import verify_tree
+    from treedraft.heads.sampling import verify_chain, verify_tree
 
     sm = runner.input_batch.sampling_metadata
     B, S1 = len(meta.num_draft_tokens), meta.max_spec_len + 1
@@ -143,6 +145,7 @@ def verify_trees(runner, logits: torch.Tensor, meta, step) -> object:
     out = torch.full((B, S1), -1, dtype=torch.int32, device=logits.device)
     out[:, 0] = plain.sampled_token_ids[:, 0]
     paths = {}  # i -> logprobs of the accepted path (tree requests that asked for logprobs)
+    with_q = 0  # chains verified against their q
     for i in range(B):
         req = requests.get(i)
         if req is None or req.size == 1:  # no valid drafts: vLLM's own sample stands
@@ -150,8 +153,18 @@ def verify_trees(runner, logits: torch.Tensor, meta, step) -> object:
         root_row = cu[i] - meta.num_draft_tokens[i] - 1
         tree_logits = logits[root_row : root_row + req.size]  # [n+1, V]
         sp = runner.requests[req.req_id].sampling_params
-        accepted, nxt = verify_tree(torch.tensor(req.tokens), req.parents, tree_logits.float(),
-                                    heads_params(sp), sm.generators.get(i))
+        if req.q is not None:  # speculative sampling against the q the chain was drawn from
+            q = req.q.to(logits.device)
+            if q.shape[-1] < tree_logits.shape[-1]:  # vLLM pads the vocabulary: q 0 there
+                q = torch.nn.functional.pad(q, (0, tree_logits.shape[-1] - q.shape[-1]))
+            k, nxt = verify_chain(req.tokens[1:], q, tree_logits.float(), heads_params(sp),
+                                  sm.generators.get(i))
+            accepted = list(range(1, k + 1))
+            with_q += 1
+        else:
+            accepted, nxt = verify_tree(torch.tensor(req.tokens), req.parents,
+                                        tree_logits.float(), heads_params(sp),
+                                        sm.generators.get(i))
         path = [req.tokens[a] for a in accepted] + [nxt]
         out[i, : len(path)] = torch.tensor(path, dtype=torch.int32)
         step.accepted[req.req_id] = accepted
@@ -159,6 +172,9 @@ def verify_trees(runner, logits: torch.Tensor, meta, step) -> object:
             # token k of the path was drawn from the row of its parent: root, accepted nodes
             paths[i] = _path_logprobs(runner, logits, [root_row + a for a in [0, *accepted]],
                                       path, plain.logprobs_tensors.logprobs.shape[1])
+    if with_q:
+        init_logger("vllm.treedraft").info_once(
+            "treedraft: tree mode verifies chains drawn from the head's q against q")
     lt = plain.logprobs_tensors
     return SamplerOutput(sampled_token_ids=out,
                          logprobs_tensors=None if lt is None else _batch_logprobs(lt, paths, B, S1))

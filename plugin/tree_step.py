@@ -28,6 +28,7 @@ class TreeRequest:
     depths: list[int]  # [n+1]
     is_chain: bool
     mask: torch.Tensor | None = None  # [n+1, root_pos + n+1] bool: prefix + ancestors (trees)
+    q: torch.Tensor | None = None  # [n, V] a chain drawn from the head's q: verified against q
 
     @property
     def size(self) -> int:
@@ -84,16 +85,20 @@ def of_metadata(attn_metadata) -> TreeStep | None:
 
 
 def make_request(req_index: int, req_id: str, qs: int, root_pos: int, root: int,
-                 drafts: list[int], tree) -> TreeRequest:
+                 drafts: list[int], tree, q: torch.Tensor | None = None) -> TreeRequest:
     """Scheduled drafts -> the tree they are (or a chain, when they are not the drafted tree).
 
     The scheduler may keep only a prefix of the drafts; a prefix of a topologically ordered tree
     is a tree. Placeholders (-1, for resumed requests) and anything else we did not draft are
     verified as a chain, which is exact too; the valid part ends at the first -1.
+    q: the draft distributions [K, V] of `tree` when it is a chain drawn from them (kept, cut
+    to the scheduled prefix, only when the drafts are that chain).
     """
     n = next((i for i, t in enumerate(drafts) if t < 0), len(drafts))
     drafts = list(drafts[:n])
-    if tree is not None and tree.tokens[1:n + 1].tolist() == drafts and int(tree.tokens[0]) == root:
+    ours = (tree is not None and tree.tokens[1:n + 1].tolist() == drafts
+            and int(tree.tokens[0]) == root)
+    if ours:
         parents = tree.parents[: n + 1].tolist()
     else:
         parents = [-1] + list(range(n))
@@ -104,5 +109,6 @@ def make_request(req_index: int, req_id: str, qs: int, root_pos: int, root: int,
     if not is_chain:
         mask = torch.ones(n + 1, root_pos + n + 1, dtype=torch.bool)
         mask[:, root_pos:] = buf.ancestor_mask
+    q = q[:n] if ours and is_chain and q is not None and n else None
     return TreeRequest(req_index, req_id, qs, root_pos, [root] + drafts, parents, depths,
-                       is_chain, mask)
+                       is_chain, mask, q)

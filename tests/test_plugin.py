@@ -300,6 +300,21 @@ def test_make_request_keeps_scheduled_prefix_and_falls_back_to_chains():
     assert make_request(0, "x", 0, 10, 8, [1, 2], tree).is_chain  # another root
 
 
+def test_make_request_keeps_q_only_for_the_chain_it_was_drawn_for():
+    from treedraft.heads.tree import DraftTree
+    from treedraft.plugin.tree_step import make_request
+
+    chain = DraftTree(torch.tensor([7, 1, 2, 3]), torch.tensor([-1, 0, 1, 2]), torch.zeros(4))
+    q = torch.rand(3, 11)
+    r = make_request(0, "x", 0, 10, 7, [1, 2], chain, q)  # scheduler kept a prefix
+    assert r.is_chain and torch.equal(r.q, q[:2])
+    assert make_request(0, "x", 0, 10, 7, [1, 5], chain, q).q is None  # not our chain
+    assert make_request(0, "x", 0, 10, 7, [1, 2, 3], chain).q is None  # drafted as argmax
+    assert make_request(0, "x", 0, 10, 7, [-1], chain, q).q is None  # placeholders: no drafts
+    tree = DraftTree(torch.tensor([7, 1, 2]), torch.tensor([-1, 0, 0]), torch.zeros(3))
+    assert make_request(0, "x", 0, 10, 7, [1, 2], tree, q[:2]).q is None  # branching: one-hot
+
+
 # ----------------------------------------------------------------------------- config
 def _engine_config(spec: dict, model: str = "smollm2-135m", hf_overrides: dict | None = None):
     from vllm.engine.arg_utils import EngineArgs
@@ -489,3 +504,18 @@ def test_targets_trees_cannot_serve_are_refused_at_startup(override, message):
     chain = _engine_config({"model": "smollm2-135m-eagle", "num_speculative_tokens": 3},
                            hf_overrides=override)
     assert chain.additional_config["treedraft"]["tree"] == "chain:3"
+
+
+def test_auto_explores_up_from_nothing_with_a_few_requests():
+    from treedraft.heads.tree import parse_tree_spec
+    from treedraft.plugin.proposer import EXPLORE_REQUESTS, AutoBudget
+
+    # before any step is measured "auto" drafts nothing and explores one node now and then:
+    # at batch 32 with a few requests only (each would catch up on all its pairs), at a batch
+    # no larger than that with all of them
+    for batch, few in ((32, EXPLORE_REQUESTS), (EXPLORE_REQUESTS, None)):
+        auto = AutoBudget(parse_tree_spec("dynamic:10,3,3"))
+        auto.set_rates(None)  # the default acceptance table: budgets 0, 1, 2, ...
+        got = [auto.choose(batch) for _ in range(8)]
+        assert got.count((0, None)) >= 6 and got.count((1, few)) >= 1, got
+        assert set(got) == {(0, None), (1, few)}, got

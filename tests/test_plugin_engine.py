@@ -46,8 +46,9 @@ engine core and worker in-process, which starts in about half the time):
   output equals no-speculation's and the per-depth acceptance equals the reference decoder's
   chain with the treedraft folder of the same head.
 * sampling: 300 samples of the first 3 tokens of a fixed, repetitive prompt at T=0.8/top-p 0.9
-  and at T=1/top-k 5; the joint distribution of the 3 tokens with speculation (chain and hybrid
-  tree) equals the one without (chi-square homogeneity test, significance 1e-3), and drafts
+  and at T=1/top-k 5; the joint distribution of the 3 tokens with speculation (chain, hybrid
+  tree, and a tree spec whose trees are chains, QCHAIN, at T=1/top-k: tree mode drafts them
+  from q and verifies against q) equals the one without (chi-square homogeneity test, significance 1e-3), and drafts
   were accepted during those jobs (so the spec path really ran). The chain samples its drafts
   from the head's q and gives q to vLLM's rejection sampler (the engine log says so); the chain
   is sampled at T=0.8/top-p only (its q path is the same code for top-k).
@@ -74,6 +75,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 EAGLE = "smollm2-135m-eagle"
 HYBRID = "dynamic:10,3,3+lookup:6"
+QCHAIN = "dynamic:3,3,1"  # a tree spec (tree mode) whose trees are chains of 3
 TREE = {"model": EAGLE, "tree": HYBRID}
 EAGLE3 = "smollm2-135m-eagle3"  # shipped EAGLE-3-layout head (exported/imported below)
 LOOKUP = {"method": "treedraft", "tree": "lookup:8"}
@@ -206,6 +208,10 @@ def runs(target, prompts, tokenizer, eagle3_export, medusa_export, tmp_path_fact
         # the hybrid tree drafted by an EAGLE-3 head given in the speculators format (import)
         "tree": (target, {"model": eagle3_export, "tree": HYBRID}, jobs, None,
                  {"TREEDRAFT_CACHE": str(tmp_path_factory.mktemp("cache"))}),
+        # tree mode whose trees are chains (what "auto" drafts at a one-node budget): sampled
+        # requests draw them from the head's q and verify_trees verifies against q
+        "qchain": (target, {"model": EAGLE, "tree": QCHAIN},
+                   [j for j in jobs if j["name"] == "topk"], None),
         # the same folder in stock vLLM: its own EAGLE-3, treedraft's plugin not loaded (export)
         "stock_eagle3": (target, {"method": "eagle3", "model": eagle3_export,
                                   "num_speculative_tokens": 3}, jobs[1:2], None,
@@ -475,7 +481,8 @@ def test_acceptance_per_depth_matches_offline_evaluator(runs, name, tree, head_n
 
 
 # the chain's q path is the same code for both settings: top-p only there (CI time)
-@pytest.mark.parametrize("name, job", [("chain", "topp"), ("tree", "topp"), ("tree", "topk")])
+@pytest.mark.parametrize("name, job", [("chain", "topp"), ("tree", "topp"), ("tree", "topk"),
+                                       ("qchain", "topk")])
 def test_sampled_distribution_equals_no_speculation(runs, name, job):
     base = [tuple(t) for t in runs["base"][0][job]["tokens"]]
     res = runs[name][0][job]
@@ -493,6 +500,8 @@ def test_sampled_distribution_equals_no_speculation(runs, name, job):
     assert p > 1e-3
     if name == "chain":  # sampled chains drafted from q and handed q to the rejection sampler
         assert "pass q to vLLM's rejection sampler as draft probabilities" in runs[name][1]
+    if name == "qchain":  # tree mode drew chains from q and verified them against q
+        assert "tree mode verifies chains drawn from the head's q against q" in runs[name][1]
 
 
 def test_two_engines_in_one_process_stay_exact(target, prompts):

@@ -135,6 +135,15 @@ def test_parse_and_round_trip(text, expected):
     assert parse_tree_spec(spec.to_string()) == spec
 
 
+@pytest.mark.parametrize("text, nodes", [
+    ("chain:3", 3), ("[[0]]", 1), ("dynamic:3,3,1", 3), ("dynamic:1,1,1", 1), ("static:1", 1),
+    ("dynamic:1,1", 1), ("static:4", None), ("dynamic:10,3,3", None), ("[[0],[1]]", None),
+    ("chain:3+lookup:2", None), ("lookup:4", None)])
+def test_chain_nodes_names_the_specs_that_only_draft_chains(text, nodes):
+    # these draw their drafts from the head's q at T > 0 (reference decoder and plugin)
+    assert parse_tree_spec(text).chain_nodes == nodes
+
+
 def test_to_string_canonical_forms():
     assert parse_tree_spec("[[0],[0,0]]").to_string() == "chain:2"
     assert parse_tree_spec("[[1],[0]]").to_string() == "[[0],[1]]"
