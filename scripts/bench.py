@@ -24,6 +24,13 @@ prompt lookup drafted nothing. Several prompt sets (`mtbench,humaneval`) give on
 `by_category` one per MT-bench category plus each set's total (`totals`) and a table of
 tokens per pass by category in OUT/bench.md.
 
+`--rounds N`: the configurations run N times, in alternating order (A B C, C B A, A B C, ...),
+so that a machine whose speed drifts over minutes (a shared CPU: two no-spec engines run
+back to back differed by 7 %) slows every configuration alike; each row then holds the median
+tokens/s over the rounds and the median of the per-round speedups (each against the baseline
+of its own round), with their range (`speedup_range`, shown in the table as `1.02x
+(0.97-1.05)`) and every round's figures (`round_tokens_per_s`); `merge_rounds`.
+
 `--profile`: every engine's worker times its step phases (plugin/profile.py: prepare, target
 forward, tree attention inside it, verification, KV compaction inside it, drafting, the rest);
 rows gain `profile_ms` (milliseconds per engine step) and OUT/profile.md holds the table.
@@ -202,6 +209,50 @@ PROFILE_COLUMNS = ("step", "forward", "tree_attention", "verify", "kv_compaction
                    "prepare", "other")
 
 
+def round_order(configs: tuple[str, ...], rounds: int) -> list[tuple[int, str]]:
+    """(round, config) in run order: the configurations forward, backward, forward, ..."""
+    return [(r, c) for r in range(rounds) for c in (configs if r % 2 == 0 else configs[::-1])]
+
+
+def merge_rounds(rows: list[dict], baseline: str) -> list[dict]:
+    """Rows of several rounds (each with `round`) -> one row per (config, job): the median
+    tokens/s and TPOT over the rounds, the median of the per-round speedups (against the
+    baseline's row of the same round and job) and their range; acceptance figures and the
+    step profile averaged over the rounds. One round: its rows, with `speedup` set."""
+    import statistics
+
+    def key(r: dict) -> tuple:
+        return (r["batch_size"], r["temperature"], r["prompts"])
+
+    base = {(r["round"], *key(r)): r["tokens_per_s"] for r in rows if r["config"] == baseline}
+    for r in rows:
+        r["speedup"] = r["tokens_per_s"] / base[(r["round"], *key(r))]
+    if len({r["round"] for r in rows}) == 1:
+        return rows
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["config"], *key(r)), []).append(r)
+    out = []
+    for same in groups.values():
+        m = dict(same[0])
+        del m["round"]
+        speedups = [r["speedup"] for r in same]
+        m.update(tokens_per_s=statistics.median(r["tokens_per_s"] for r in same),
+                 tpot_ms=statistics.median(r["tpot_ms"] for r in same),
+                 speedup=statistics.median(speedups), speedup_range=[min(speedups), max(speedups)],
+                 round_tokens_per_s=[r["tokens_per_s"] for r in same],
+                 tokens=sum(r["tokens"] for r in same), seconds=sum(r["seconds"] for r in same))
+        for k in ("mean_acceptance_length", "tau_per_pass", "mean_tree_size"):
+            vals = [r[k] for r in same if r.get(k) is not None]
+            m[k] = sum(vals) / len(vals) if vals else None
+        if all("profile_ms" in r for r in same):
+            m["profile_ms"] = {k: sum(r["profile_ms"][k] for r in same) / len(same)
+                               for k in same[0]["profile_ms"]}
+            m["profile"] = {k: sum(r["profile"][k] for r in same) for k in same[0]["profile"]}
+        out.append(m)
+    return out
+
+
 def profile_markdown(rows: list[dict]) -> str:
     """Milliseconds per engine step by phase (tree attention is part of forward, KV compaction
     part of verify); steps and scheduled tokens per step."""
@@ -241,8 +292,11 @@ def markdown(rows: list[dict]) -> str:
     for r in rows:
         tau = f"{r['mean_acceptance_length']:.2f}" if r["mean_acceptance_length"] else "-"
         size = f"{r['mean_tree_size']:.1f}" if r["mean_tree_size"] else "-"
+        speedup = f"{r['speedup']:.2f}x"
+        if r.get("speedup_range"):  # several rounds: the median and the range of the rounds
+            speedup += " ({:.2f}-{:.2f})".format(*r["speedup_range"])
         lines.append("| " + " | ".join([*lead(r), f"{r['tokens_per_s']:.1f}",
-                                        f"{r['tpot_ms']:.1f}", f"{r['speedup']:.2f}x", tau,
+                                        f"{r['tpot_ms']:.1f}", speedup, tau,
                                         size, f"{r['tau_per_pass']:.2f}"]) + " |")
     return "\n".join(lines) + "\n"
 
@@ -304,8 +358,8 @@ class Progress:
     """One tqdm bar per configuration (tokens generated of those planned), with the engine's
     state and an estimate of what is left of the whole run."""
 
-    def __init__(self, configs: tuple[str, ...], jobs: list[dict]) -> None:
-        self.configs = configs
+    def __init__(self, configs, jobs: list[dict]) -> None:
+        self.configs = configs  # one per engine run, in run order
         self.planned = sum(len(j["prompts"]) * j["params"]["max_tokens"] for j in jobs)
         self.finished: list[float] = []  # wall seconds of finished configurations
 
@@ -363,7 +417,8 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
           batch_sizes=None, temperatures=None, configs=None,
           out: str | Path = "runs/bench", dtype: str = "auto",
           enforce_eager: bool | None = None, stride: int | None = None,
-          preset: str = "quick", profile: bool = False, by_category: bool = False) -> list[dict]:
+          preset: str = "quick", profile: bool = False, by_category: bool = False,
+          rounds: int = 1) -> list[dict]:
     from transformers import AutoTokenizer
 
     from treedraft.plugin.profile import PROFILE_ENV
@@ -382,6 +437,9 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
         raise ValueError(f"bench preset {preset!r}; valid: {', '.join(PRESETS)}")
     o = {k: v if v is not None else PRESETS[preset][k] for k, v in given.items()}
     configs = tuple(o["configs"])
+    if rounds < 1:
+        raise ValueError(f"bench rounds must be >= 1, got {rounds}")
+    runs = round_order(configs, rounds)
     vllm_dtype = resolve_dtype(dtype)
     machine = describe()
     specs = {c: speculative_config(c, str(resolve_head(head))) for c in configs}  # fail early
@@ -407,30 +465,30 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
           f"{'eager' if o['enforce_eager'] else 'torch.compile'}; {n_prompts} {prompts} prompts "
           f"({len(groups)} groups: {', '.join(groups)}) x "
           f"{o['max_new_tokens']} tokens, batch sizes {list(o['batch_sizes'])}, T "
-          f"{list(o['temperatures'])}; {len(configs)} configurations: {', '.join(configs)}",
-          flush=True)
-    progress = Progress(configs, jobs)
+          f"{list(o['temperatures'])}; {len(configs)} configurations: {', '.join(configs)}"
+          + (f"; {rounds} rounds in alternating order" if rounds > 1 else ""), flush=True)
+    names = [c if rounds == 1 else f"{c} (round {r + 1})" for r, c in runs]
+    progress = Progress(names, jobs)
     llm = {"max_num_seqs": max(o["batch_sizes"]), "dtype": vllm_dtype,
            "enforce_eager": o["enforce_eager"]}
     rows = []
-    for i, c in enumerate(configs):
+    for i, (rnd, c) in enumerate(runs):
         # the worker zeroes this file when its runner starts, then rewrites it after every step
         env = {PROFILE_ENV: str((out / f"profile-{i}.json").resolve())} if profile else None
-        results, log = progress.run(i, c, lambda cb, c=c, env=env: run_engine(
+        results, log = progress.run(i, names[i], lambda cb, c=c, env=env: run_engine(
             target_dir, specs[c], jobs, llm=llm, timeout=7200, progress=cb, env=env))
         (out / f"engine-{i}.log").write_text(log)  # the engine's own log (e.g. auto's choices)
-        rows += [_row(c, j, results[j["name"]]) for j in jobs]
-    if by_category:
-        rows += totals(rows, sets)
-    base = {(r["batch_size"], r["temperature"], r["prompts"]): r["tokens_per_s"] for r in rows
-            if r["config"] == configs[0]}
-    for r in rows:
-        r["speedup"] = r["tokens_per_s"] / base[(r["batch_size"], r["temperature"], r["prompts"])]
+        done = [_row(c, j, results[j["name"]]) for j in jobs]
+        if by_category:
+            done += totals(done, sets)
+        rows += [{**r, "round": rnd} for r in done]
+    rows = merge_rounds(rows, configs[0])
     meta = {"target": target, "head": head, "prompts": prompts, "limit": o["limit"],
             "stride": o["stride"], "by_category": by_category,
             "max_new_tokens": o["max_new_tokens"], "baseline": configs[0],
             "dtype": vllm_dtype, "dtype_requested": dtype, "enforce_eager": o["enforce_eager"],
-            "machine": machine, "seconds": sum(progress.finished), "profile": profile}
+            "machine": machine, "seconds": sum(progress.finished), "profile": profile,
+            "rounds": rounds}
     (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     table = markdown(rows)
     if len(groups) > 1:

@@ -190,6 +190,10 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto",
                    help="vLLM dtype; auto: bfloat16 where the CPU has AMX/AVX512-BF16, "
                         "float32 on AVX2-only CPUs (bf16 is several times slower there)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the configurations N times in alternating order (A B C, C B A, "
+                        "...) and report medians and the range of the per-round speedups "
+                        "(a shared machine's speed drifts over minutes)")
     p.add_argument("--profile", action="store_true",
                    help="also time each engine step's phases (target forward, tree attention, "
                         "verification, KV compaction, drafting, the rest): OUT/profile.md")
@@ -209,7 +213,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
           args.batch_sizes, args.temperatures, tuple(args.config) if args.config else None,
           args.out, dtype=args.dtype, enforce_eager=args.enforce_eager, stride=args.stride,
           preset="full" if args.full else "quick", profile=args.profile,
-          by_category=args.by_category)
+          by_category=args.by_category, rounds=args.rounds)
 
 
 def _train_args(p: argparse.ArgumentParser) -> None:

@@ -173,6 +173,35 @@ def test_bench_configs_rows_and_table():
     assert "| chain=3 | 0 | 2 | 10.0 | 166.7 | 1.50x | 2.00 | 3.0 | 1.25 |" in markdown([row])
 
 
+def test_bench_rounds_alternate_and_merge_to_paired_medians():
+    from treedraft.scripts.bench import markdown, merge_rounds, round_order
+
+    assert round_order(("a", "b", "c"), 3) == [(0, "a"), (0, "b"), (0, "c"), (1, "c"), (1, "b"),
+                                               (1, "a"), (2, "a"), (2, "b"), (2, "c")]
+
+    def row(config, rnd, tok_s):
+        return {"config": config, "round": rnd, "prompts": "", "batch_size": 1,
+                "temperature": 0.0, "tokens_per_s": tok_s, "tpot_ms": 1000 / tok_s,
+                "tokens": 10, "seconds": 10 / tok_s, "mean_acceptance_length": None,
+                "mean_tree_size": None, "tau_per_pass": 1.0}
+
+    # the machine slows in round 2: no-spec 20 -> 16; auto 21 -> 16 -> 22
+    rows = [row("no-spec", 0, 20.0), row("auto", 0, 21.0), row("auto", 1, 16.0),
+            row("no-spec", 1, 16.0), row("no-spec", 2, 20.0), row("auto", 2, 22.0)]
+    merged = {r["config"]: r for r in merge_rounds(rows, "no-spec")}
+    auto = merged["auto"]
+    # paired speedups 1.05, 1.0, 1.1: median 1.05 (medians of tok/s would say 21/20 = 1.05 too,
+    # but the range shows what the rounds disagreed on)
+    assert auto["speedup"] == pytest.approx(1.05) and auto["speedup_range"] == pytest.approx(
+        [1.0, 1.1])
+    assert auto["tokens_per_s"] == 21.0 and auto["round_tokens_per_s"] == [21.0, 16.0, 22.0]
+    assert merged["no-spec"]["speedup"] == 1.0 and "round" not in auto
+    assert "| auto | 0 | 1 | 21.0 | 47.6 | 1.05x (1.00-1.10) |" in markdown([auto])
+    one = merge_rounds([row("no-spec", 0, 20.0), row("auto", 0, 21.0)], "no-spec")
+    assert [r["speedup"] for r in one] == pytest.approx([1.0, 1.05])  # one round: as before
+    assert "speedup_range" not in one[1]
+
+
 def test_bench_tokens_per_pass_and_category_totals():
     """τ/pass counts passes that drafted nothing (lookup), which vLLM's acceptance length
     leaves out; category rows sum to a set's total; jobs per group never repeat a prompt."""
