@@ -343,16 +343,26 @@ class TreeDraftProposer:
         if self.head is not None:  # the drafting requests' sessions read what is pending
             # (and so does any session with `full` pending pairs: bounded memory, no lost context)
             t0 = time.perf_counter()
-            flushed = [(req_id, item) for _, req_id, _, session in work
-                       if (req_id in drafting or self.pending[req_id].full)
-                       and (item := self.pending[req_id].flush(session)) is not None]
+            flushed, generated = [], []  # generated: its last pairs whose token the target
+            for _, req_id, _, session in work:  # generated (the rest are prompt tokens)
+                pending = self.pending[req_id]
+                if req_id not in drafting and not pending.full:
+                    continue
+                end, first = pending.start + len(pending), runner.requests[
+                    req_id].num_prompt_tokens - 1  # the pair at position c predicts token c+1
+                if (item := pending.flush(session)) is not None:
+                    flushed.append((req_id, item))
+                    generated.append(max(0, min(len(item[2]), end - first)))
             # auto: test the head, teacher-forced, on pairs of steps that drafted nothing for
             # the request (what drafting one node would have earned there; drafted steps are
-            # observed from their accepted drafts instead)
-            need = [self.auto is not None and req_id not in self.auto.drafted
-                    for req_id, _ in flushed]
+            # observed from their accepted drafts instead), on the target's own tokens only:
+            # the prompt's (the user's text) are harder to guess, and were half the checks
+            # of a short request's first catch-up (acceptance estimated at x0.54-0.78 of the
+            # head's table where chain=1 accepted x~1)
+            need = [self.auto is not None and req_id not in self.auto.drafted and g > 0
+                    for (req_id, _), g in zip(flushed, generated, strict=True)]
             share = max(1, TEACHER_CHECKS // max(sum(need), 1))  # ~TEACHER_CHECKS rows a step
-            check = [share if k else 0 for k in need]
+            check = [min(share, g) if k else 0 for k, g in zip(need, generated, strict=True)]
             found = commit_sessions([item for _, item in flushed], check)
             if found:
                 self.auto.observe_teacher(sum(h for h, _ in found), sum(n for _, n in found))
