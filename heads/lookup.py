@@ -111,6 +111,13 @@ class HybridTree:
     tree: DraftTree
     sources: torch.Tensor  # [N+1] int8 HEAD/LOOKUP bits (root: 0)
 
+    @classmethod
+    def of_head(cls, tree: DraftTree) -> HybridTree:
+        """A tree the head drafted alone: every node but the root from the head."""
+        sources = torch.full_like(tree.tokens, HEAD, dtype=torch.int8)
+        sources[0] = 0
+        return cls(tree, sources)
+
 
 def merge_trees(head_tree: DraftTree | None, root_token: int, chains: Sequence[Sequence[int]],
                 device: Device = None) -> HybridTree:
@@ -192,9 +199,7 @@ def draft_hybrids(jobs, spec, acceptance_rates=None, device: Device = None) -> l
     out = []
     for (root, _, index), head_tree in zip(jobs, head_trees, strict=True):
         if not spec.lookup:  # the head's tree as drafted (already depth-ordered)
-            sources = torch.full_like(head_tree.tokens, HEAD, dtype=torch.int8)
-            sources[0] = 0
-            out.append(HybridTree(head_tree, sources))
+            out.append(HybridTree.of_head(head_tree))
         else:
             out.append(merge_trees(head_tree, root, index.propose(spec.lookup), device))
     return out

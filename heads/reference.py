@@ -117,7 +117,8 @@ def speculative_generate(
 
     Chains at T > 0 (any spec whose trees are chains: `TreeSpec.chain_nodes`) draw each draft
     from the head's distribution q (under the request's temperature/top-k/top-p) and verify with
-    speculative sampling against q, as the vLLM plugin does; trees (and greedy chains) draft the top-ranked tokens and use `verify_tree`. A spec
+    speculative sampling against q, as the vLLM plugin does; trees (and greedy chains) draft
+    the top-ranked tokens and use `verify_tree`. A spec
     with lookup nodes ('+lookup:N', or 'lookup:N' with head=None) grafts prompt-lookup branches
     over prompt + output so far into the tree (heads/lookup.py).
     """

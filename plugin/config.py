@@ -35,6 +35,9 @@ from .patching import Patch
 
 PROPOSER = "treedraft.plugin.proposer.TreeDraftProposer"
 KEY = "treedraft"  # additional_config key
+TREEDRAFT_KEYS = ("tree",)
+# --speculative-config keys and the --spec-* shorthand attributes of EngineArgs they merge with
+FLAGS = {"method": "spec_method", "model": "spec_model", "num_speculative_tokens": "spec_tokens"}
 
 
 def tree_mode(vllm_config) -> bool:
@@ -44,9 +47,6 @@ def tree_mode(vllm_config) -> bool:
 
     td = (vllm_config.additional_config or {}).get(KEY)
     return bool(td) and not parse_tree_spec(td["tree"]).is_chain
-TREEDRAFT_KEYS = ("tree",)
-# --speculative-config keys and the --spec-* shorthand attributes of EngineArgs they merge with
-FLAGS = {"method": "spec_method", "model": "spec_model", "num_speculative_tokens": "spec_tokens"}
 
 
 def _head_dir(model: Any) -> Path | None:

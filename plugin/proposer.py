@@ -44,7 +44,13 @@ import torch
 from vllm.logger import init_logger
 
 from treedraft.heads.common import PendingPairs, commit_sessions
-from treedraft.heads.lookup import HEAD, SOURCES, LookupIndex, accepted_by_source, draft_hybrids
+from treedraft.heads.lookup import (
+    SOURCES,
+    HybridTree,
+    LookupIndex,
+    accepted_by_source,
+    draft_hybrids,
+)
 from treedraft.heads.sampling import draft_chains
 from treedraft.heads.tree import MAX_TREE_DEPTH, DraftTree, parse_tree_spec
 
@@ -399,8 +405,7 @@ class TreeDraftProposer:
                 continue
             req_id = ib.req_ids[i]  # -> plugin/sampler.verify_trees, with the chain
             self.trees[req_id], self.chain_q[req_id] = chain, q
-            self.sources[req_id] = torch.full_like(chain.tokens, HEAD, dtype=torch.int8)
-            self.sources[req_id][0] = 0
+            self.sources[req_id] = HybridTree.of_head(chain).sources
         hybrids = draft_hybrids([(root, session, index) for _, _, root, session, index in jobs],
                                 spec, self.rates, device=hidden_states.device) if jobs else []
         for (i, req_id, *_), hybrid in zip(jobs, hybrids, strict=True):

@@ -217,8 +217,10 @@ def round_order(configs: tuple[str, ...], rounds: int) -> list[tuple[int, str]]:
 def merge_rounds(rows: list[dict], baseline: str) -> list[dict]:
     """Rows of several rounds (each with `round`) -> one row per (config, job): the median
     tokens/s and TPOT over the rounds, the median of the per-round speedups (against the
-    baseline's row of the same round and job) and their range; acceptance figures and the
-    step profile averaged over the rounds. One round: its rows, with `speedup` set."""
+    baseline's row of the same round and job) and their range; counts (tokens, seconds,
+    passes, drafts, accepted) summed over the rounds and what derives from them recomputed
+    from the sums (τ/pass, tree size, per-depth acceptance); vLLM's mean acceptance length and
+    the step profile in ms averaged. One round: its rows, with `speedup` set."""
     import statistics
 
     def key(r: dict) -> tuple:
@@ -240,11 +242,18 @@ def merge_rounds(rows: list[dict], baseline: str) -> list[dict]:
         m.update(tokens_per_s=statistics.median(r["tokens_per_s"] for r in same),
                  tpot_ms=statistics.median(r["tpot_ms"] for r in same),
                  speedup=statistics.median(speedups), speedup_range=[min(speedups), max(speedups)],
-                 round_tokens_per_s=[r["tokens_per_s"] for r in same],
-                 tokens=sum(r["tokens"] for r in same), seconds=sum(r["seconds"] for r in same))
-        for k in ("mean_acceptance_length", "tau_per_pass", "mean_tree_size"):
-            vals = [r[k] for r in same if r.get(k) is not None]
-            m[k] = sum(vals) / len(vals) if vals else None
+                 round_tokens_per_s=[r["tokens_per_s"] for r in same])
+        for k in ("tokens", "seconds", "passes", "accepted", "drafts", "draft_tokens"):
+            m[k] = sum(r[k] for r in same)
+        vals = [r["mean_acceptance_length"] for r in same if r["mean_acceptance_length"]]
+        m["mean_acceptance_length"] = sum(vals) / len(vals) if vals else None
+        m["tau_per_pass"] = m["tokens"] / m["passes"]
+        m["mean_tree_size"] = m["draft_tokens"] / m["drafts"] if m["drafts"] else None
+        depths = max(len(r["acceptance_per_depth"]) for r in same)
+        m["acceptance_per_depth"] = [  # accepted at depth d over all rounds' drafting steps
+            sum(r["acceptance_per_depth"][d] * r["drafts"] for r in same
+                if d < len(r["acceptance_per_depth"])) / m["drafts"]
+            for d in range(depths)] if m["drafts"] else []
         if all("profile_ms" in r for r in same):
             m["profile_ms"] = {k: sum(r["profile_ms"][k] for r in same) / len(same)
                                for k in same[0]["profile_ms"]}

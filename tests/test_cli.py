@@ -183,7 +183,8 @@ def test_bench_rounds_alternate_and_merge_to_paired_medians():
         return {"config": config, "round": rnd, "prompts": "", "batch_size": 1,
                 "temperature": 0.0, "tokens_per_s": tok_s, "tpot_ms": 1000 / tok_s,
                 "tokens": 10, "seconds": 10 / tok_s, "mean_acceptance_length": None,
-                "mean_tree_size": None, "tau_per_pass": 1.0}
+                "mean_tree_size": None, "tau_per_pass": 1.0, "passes": 10, "accepted": 0,
+                "drafts": 0, "draft_tokens": 0, "acceptance_per_depth": []}
 
     # the machine slows in round 2: no-spec 20 -> 16; auto 21 -> 16 -> 22
     rows = [row("no-spec", 0, 20.0), row("auto", 0, 21.0), row("auto", 1, 16.0),
@@ -197,6 +198,13 @@ def test_bench_rounds_alternate_and_merge_to_paired_medians():
     assert auto["tokens_per_s"] == 21.0 and auto["round_tokens_per_s"] == [21.0, 16.0, 22.0]
     assert merged["no-spec"]["speedup"] == 1.0 and "round" not in auto
     assert "| auto | 0 | 1 | 21.0 | 47.6 | 1.05x (1.00-1.10) |" in markdown([auto])
+    # counts add up over the rounds, and what derives from them is recomputed from the sums
+    drafted = [{**r, "passes": 8, "accepted": a, "drafts": 4, "draft_tokens": 8,
+                "acceptance_per_depth": [a / 4, 0.0]} for r, a in zip(rows, (2, 2, 4, 4, 2, 2), strict=True)]
+    m = {r["config"]: r for r in merge_rounds(drafted, "no-spec")}["auto"]
+    assert (m["tokens"], m["passes"], m["drafts"], m["accepted"]) == (30, 24, 12, 8)
+    assert m["tau_per_pass"] == 30 / 24 and m["mean_tree_size"] == 2.0
+    assert m["acceptance_per_depth"] == pytest.approx([8 / 12, 0.0])
     one = merge_rounds([row("no-spec", 0, 20.0), row("auto", 0, 21.0)], "no-spec")
     assert [r["speedup"] for r in one] == pytest.approx([1.0, 1.05])  # one round: as before
     assert "speedup_range" not in one[1]
