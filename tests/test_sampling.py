@@ -13,6 +13,7 @@ import torch
 from treedraft.heads.sampling import (
     SamplingParams,
     _fallback_token,
+    draw,
     make_generator,
     process_logits,
     sample,
@@ -227,6 +228,25 @@ def assert_counts_match(counts: torch.Tensor, want, n: int) -> None:
     df = int(cells.sum()) - 1
     assert chi2 < df + 4 * math.sqrt(2 * df), (chi2, df)  # ~ p < 1e-4 under the null
     assert tv((counts / n).tolist(), want) < 0.05  # sampling noise here is ~0.02
+
+
+def test_draw_follows_the_distribution_and_never_draws_a_zero():
+    """`draw` (the inverse CDF of one uniform): unnormalised weights with zeros at both ends and
+    inside; chi-square against w / sum(w); a seeded generator repeats its draws."""
+    w = torch.tensor([0.0, 0.3, 0.0, 1e-3, 2.0, 0.7, 0.0, 0.0])
+    g = torch.Generator().manual_seed(5)
+    n = 20000
+    counts = torch.bincount(torch.tensor([draw(w, g) for _ in range(n)]), minlength=len(w))
+    assert counts[w == 0].sum() == 0, counts
+    want = (w / w.sum()).double()
+    assert_counts_match(counts.float()[None], want[None].tolist(), n)
+    a = [draw(w, torch.Generator().manual_seed(9)) for _ in range(3)]
+    assert a == [draw(w, torch.Generator().manual_seed(9)) for _ in range(3)]
+    assert draw(torch.tensor([0.0, 0.0, 1e-30]), g) == 2  # all the mass on the last index
+    with pytest.raises(ValueError, match="positive sum"):
+        draw(torch.zeros(4), g)
+    with pytest.raises(ValueError, match=r"\[V\]"):
+        draw(torch.ones(2, 4), g)
 
 
 def test_verify_tree_matches_the_rule_monte_carlo():
