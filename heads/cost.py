@@ -155,10 +155,13 @@ class StepCostModel:
 
 
 def best_budget(model: StepCostModel, batch: int, lengths: dict[int, float],
-                margin: float = 0.0) -> int:
+                margin: float = 0.0, current: int | None = None, hysteresis: float = 0.0
+                ) -> int:
     """The budget in `lengths` with the most expected tokens per second for `batch` decoding
     requests (ties: the smaller budget); 0 until the model knows what drafting costs, and 0
-    unless drafting is expected to beat no drafting by more than `margin` (x100 %)."""
+    unless drafting is expected to beat no drafting by more than `margin` (x100 %). `current`
+    (the budget chosen so far) stays unless another is expected to beat it by more than
+    `hysteresis` (x100 %): near-equal budgets do not take turns on measurement noise."""
     if model.fit() is None or batch <= 0 or not model.knows_drafting:
         return 0
 
@@ -166,6 +169,8 @@ def best_budget(model: StepCostModel, batch: int, lengths: dict[int, float],
         return batch * lengths[n] / max(model.predict(batch, 0, batch * n, batch * n), 1e-9)
 
     best = max(sorted(lengths), key=lambda n: (rate(n), -n))
+    if current in lengths and (1.0 + hysteresis) * rate(current) >= rate(best):
+        best = current
     return best if rate(best) > (1.0 + margin) * rate(0) else 0
 
 
@@ -197,6 +202,11 @@ class BudgetPolicy:
     # 0.10 kept the one pass at batch 1 on an AVX2 CPU (one node: +7 % predicted, +10 %
     # measured, session 12) out of reach, so 0.05 with exploration to correct the rest
     MARGIN = 0.05
+    # another budget must promise this much over the current choice to replace it: at batch 1
+    # on the AVX2 CPU budgets 1, 2 and 3 came within 2 % of each other, the choice changed
+    # every few steps and each change restarted frequent exploration (70 explorations in 181
+    # steps, session 15)
+    HYSTERESIS = 0.03
 
     def __init__(self, lengths: dict[int, float]) -> None:
         self.table = dict(lengths)  # E(n) of the head's rate table
@@ -217,7 +227,8 @@ class BudgetPolicy:
         return {n: 1.0 + k * (e - 1.0) for n, e in self.table.items()}
 
     def best(self, batch: int) -> int:
-        return best_budget(self.model, batch, self.lengths(), self.MARGIN)
+        return best_budget(self.model, batch, self.lengths(), self.MARGIN, self._choice,
+                           self.HYSTERESIS)
 
     def choose(self, batch: int) -> tuple[int, bool]:
         """(budget, explored) for a step with `batch` drafting requests."""

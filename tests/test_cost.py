@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from itertools import pairwise
 
 import pytest
@@ -68,6 +69,47 @@ def test_budget_follows_cost_and_batch():
     gain = lambda n: lengths[n] * mid.predict(1) / mid.predict(1, 0, n, n)  # noqa: E731
     assert best_budget(mid, 1, lengths, margin=gain(small) - 1.005) == small
     assert best_budget(mid, 1, lengths, margin=gain(small) - 0.995) == 0
+
+
+def test_the_current_budget_stays_unless_another_beats_it_by_the_hysteresis():
+    lengths = expected_lengths(RATES, 16, chain=False)
+    mid = fitted(0.050, 0.001, 0.001, 0.0001)
+    best = best_budget(mid, 1, lengths)
+    rate = lambda n: lengths[n] / mid.predict(1, 0, n, n)  # noqa: E731
+    other = max((n for n in lengths if n not in (0, best)), key=rate)  # the runner-up
+    gap = rate(best) / rate(other) - 1.0
+    assert gap > 0
+    assert best_budget(mid, 1, lengths, current=other, hysteresis=gap + 0.001) == other
+    assert best_budget(mid, 1, lengths, current=other, hysteresis=gap - 0.001) == best
+    # the current budget still has to beat drafting nothing by the margin
+    assert best_budget(mid, 1, lengths, margin=rate(other) / rate(0) - 0.999, current=other,
+                       hysteresis=1.0) == 0
+
+
+def test_near_equal_budgets_under_noisy_step_times_keep_one_choice():
+    """Budgets 1-3 within ~1 % of each other and step times +-20 % noise (a shared 2-core
+    machine): the choice settles and exploration grows rare. Without the hysteresis it took
+    turns on the noise (44 changes in 4 runs of 500 steps), each change restarting frequent
+    exploration."""
+    lengths = {0: 1.0, 1: 1.30, 2: 1.36, 3: 1.41}
+    changes = explorations = 0
+    for seed in range(4):
+        noise = random.Random(seed)
+        policy, last, choices = BudgetPolicy(lengths), 0, []
+        for step in range(600):
+            extra = lengths[last] - 1.0 if last else 0.0
+            policy.observe(extra, extra)  # the head accepts what its table says
+            n, explored = policy.choose(1)
+            # tokens/s: 1 -> 1.30/0.083, 2 -> 1.36/0.086, 3 -> 1.41/0.089, 0 -> 1/0.080
+            policy.step_done((0.080 + 0.003 * n) * (1 + 0.2 * (2 * noise.random() - 1)),
+                             1, 0, n, n)
+            last = n
+            if step >= 100:
+                changes += bool(choices) and policy.choice != choices[-1]
+                explorations += explored
+                choices.append(policy.choice)
+        assert min(choices) > 0, choices  # drafting pays here (+4 % over nothing)
+    assert changes <= 2 and explorations <= 16, (changes, explorations)
 
 
 def simulate(cost, kappa: float, batch: int, steps: int, lengths) -> tuple[float, list[int]]:
