@@ -72,6 +72,49 @@ def test_vllm_expand_batch_to_tokens_uses_the_fix():
     assert got.tolist() == pytest.approx([0.8, 0.8, 1.3, 1.3, 1.3, 1.0])
 
 
+@pytest.mark.parametrize("with_q", [True, False], ids=["draft-probs", "no-draft-probs"])
+def test_vllm_rejection_sampler_keeps_the_target_distribution_with_our_recovered_tokens(with_q):
+    """vLLM's own `rejection_sample` (CPU kernels) with the plugin's recovered tokens: the first
+    output token of 20000 one-draft requests is distributed as p (chi-square), drafts drawn from
+    q (or one fixed draft token without draft probabilities); a seeded request repeats itself."""
+    from scipy.stats import chisquare
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.sample import rejection_sampler
+
+    from treedraft.plugin import patching, sampler
+
+    patching.apply(sampler.CPU_PATCHES)
+    CpuPlatform.register_triton_kernel_overrides()
+    assert rejection_sampler.sample_recovered_tokens is sampler.sample_recovered_tokens_impl
+    B, V = 20000, 40
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(V, generator=g) * 1.5, -1)
+    q = torch.softmax(torch.randn(V, generator=g) * 1.5, -1)
+    q[3] = 0.0  # a token only p has: reached through recovered tokens only
+    q /= q.sum()
+    if with_q:
+        draft = torch.multinomial(q, B, replacement=True, generator=g).to(torch.int32)
+        draft_probs = q.expand(B, V).contiguous()
+    else:
+        draft = torch.full((B,), int(p.argmax()), dtype=torch.int32)
+        draft_probs = None
+
+    def run(generators):
+        meta = SimpleNamespace(all_greedy=False, all_random=True, temperature=torch.ones(B),
+                               generators=generators)
+        return rejection_sampler.rejection_sample(
+            draft, [1] * B, 1, torch.arange(1, B + 1, dtype=torch.int32), draft_probs,
+            p.log().expand(B, V).contiguous(), torch.zeros(B, 1, dtype=torch.int32), meta)
+
+    first = run({})[:, 0].long()
+    counts = torch.bincount(first, minlength=V).double()
+    assert counts[3] > 0
+    want = p.double() / p.double().sum() * B
+    assert chisquare(counts.numpy(), want.numpy()).pvalue > 1e-3
+    seeded = [run({7: torch.Generator().manual_seed(11)})[7].tolist() for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+
 # ----------------------------------------------------------------------------- tree attention
 @pytest.mark.parametrize("fast_bf16", [True, False], ids=["amx-cpu", "avx2-cpu"])
 def test_head_linears_run_on_vllms_cpu_gemm(fast_bf16):

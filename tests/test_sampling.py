@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from treedraft.heads.sampling import (
+    DRAW_BLOCK,
     SamplingParams,
     _fallback_token,
     draw,
+    draw_rows,
     make_generator,
     process_logits,
     sample,
@@ -247,6 +249,33 @@ def test_draw_follows_the_distribution_and_never_draws_a_zero():
         draw(torch.zeros(4), g)
     with pytest.raises(ValueError, match=r"\[V\]"):
         draw(torch.ones(2, 4), g)
+
+
+def test_draw_rows_inverts_the_cdf_exactly_across_blocks():
+    """`draw_rows` at a grid of M uniforms (k + 0.5) / M: index i is drawn for the grid points in
+    its CDF interval, i.e. M * p_i of them up to one at each end. Weights span several blocks with
+    a partial last block (padding), a whole zero block, zeros at block edges, mass 1e-6 and a row
+    scale of 1e3; rows of zeros give -1."""
+    V = 3 * DRAW_BLOCK + 88
+    g = torch.Generator().manual_seed(3)
+    w = torch.rand(V, generator=g) ** 8 * 1e3
+    w[DRAW_BLOCK : 2 * DRAW_BLOCK] = 0  # a whole zero block
+    w[[0, DRAW_BLOCK - 1, 2 * DRAW_BLOCK, V - 1]] = 0  # zeros at block edges and at the end
+    w[7] = 1e-6 * w.sum()
+    p = (w.double() / w.double().sum())
+    M = 60000
+    counts = torch.zeros(V, dtype=torch.long)
+    for k in range(0, M, 10000):
+        u = (torch.arange(k, k + 10000, dtype=torch.float64) + 0.5) / M
+        counts += torch.bincount(draw_rows(w.expand(10000, V), u), minlength=V)
+    assert counts.sum() == M and counts[w == 0].sum() == 0
+    assert (counts - M * p).abs().max() <= 1.01, (counts - M * p).abs().max()
+    # rows are independent: row n uses uniforms[n]; a zero row gives -1
+    two = torch.stack([w, torch.zeros(V)])
+    assert draw_rows(two, torch.tensor([0.0, 0.5], dtype=torch.float64)).tolist() == [
+        int((w > 0).nonzero()[0]), -1]
+    with pytest.raises(ValueError, match=r"\[N, V\]"):
+        draw_rows(w, torch.zeros(1, dtype=torch.float64))
 
 
 def test_verify_tree_matches_the_rule_monte_carlo():
