@@ -10,7 +10,11 @@ assumed: `StepCostModel` fits, online, from the engine's own steps
 (least squares, coefficients kept >= 0): a plain decode row, a row of a prefill chunk (cheaper
 per row on a CPU: one large GEMM), a drafted token verified this step (tree attention and
 verification on top of its row) and a node drafted this step (the head's forwards) each have
-their own price. `best_budget` picks the node budget n per request that maximises expected
+their own price. Where the engine times its drafting phase itself (`drafting_seconds`), that
+time leaves the step's and is fitted on its own, per drafting request and per drafted node:
+fitted from whole steps, drafting and verifying share one column in practice (a step verifies
+what the step before drafted), and at batch 1 their fitted sum moved between 3.6 and 28 ms
+per node across refits on a drifting 2-core CPU (session 16). `best_budget` picks the node budget n per request that maximises expected
 tokens per second for the current batch of B drafting requests:
 
     B * E(n) / seconds(decode B, verified B * n, drafted B * n)
@@ -83,6 +87,9 @@ class StepCostModel:
     def __init__(self, window: int = 256, min_samples: int = 12, refit_every: int = 8) -> None:
         self.plain: deque[tuple[float, ...]] = deque(maxlen=window)
         self.drafting: deque[tuple[float, ...]] = deque(maxlen=window // 4)
+        # (drafting requests, drafted nodes, seconds) of steps whose drafting phase was timed
+        self.draft_times: deque[tuple[float, float, float]] = deque(maxlen=window // 4)
+        self._draft_coef: tuple[float, float] | None = None
         self.min_samples = min_samples
         self.refit_every = refit_every
         self._coef: tuple[float, ...] | None = None
@@ -94,9 +101,16 @@ class StepCostModel:
         return [*self.plain, *self.drafting]
 
     def add(self, seconds: float, decode: int = 0, prefill: int = 0, verified: int = 0,
-            drafted: int = 0) -> None:
+            drafted: int = 0, drafting_seconds: float | None = None, requests: int = 0) -> None:
         """One step: its wall seconds and counts. A sample more than 4x slower than the model
-        predicts (an idle gap, a stall) is dropped."""
+        predicts (an idle gap, a stall) is dropped. `drafting_seconds` (the step's drafting
+        phase, timed by the caller) with `requests` (how many requests drafted): the drafting
+        cost is fitted from those times and the rest of the step from the rest."""
+        if drafting_seconds is not None and seconds > 0 and decode + prefill > 0:
+            if drafted and requests:
+                self.draft_times.append((float(requests), float(drafted), drafting_seconds))
+                self._draft_coef = None
+            seconds, drafted = seconds - drafting_seconds, 0
         x = (float(decode), float(prefill), float(verified), float(drafted))
         if seconds <= 0 or decode + prefill <= 0:
             return
@@ -110,7 +124,28 @@ class StepCostModel:
     @property
     def knows_drafting(self) -> bool:
         """Whether steps that verified and steps that drafted were both measured."""
-        return (any(s[2] > 0 for s in self.drafting) and any(s[3] > 0 for s in self.drafting))
+        return (any(s[2] > 0 for s in self.drafting)
+                and (bool(self.draft_times) or any(s[3] > 0 for s in self.drafting)))
+
+    def draft_fit(self) -> tuple[float, float]:
+        """(seconds per drafting request, seconds per drafted node) >= 0 from the timed drafting
+        phases (least squares, a small ridge: with one node per request the two share the
+        cost); (0, 0) before any was timed."""
+        if self._draft_coef is None:
+            if not self.draft_times:
+                return 0.0, 0.0
+            s = torch.tensor(list(self.draft_times), dtype=torch.float64)
+            X, y = s[:, :2], s[:, 2]
+            scale = X.abs().amax(0).clamp_min(1.0)
+            A = torch.cat([X / scale, torch.eye(2, dtype=torch.float64) * 1e-3 * len(s) ** 0.5])
+            sol = torch.linalg.lstsq(A, torch.cat([y, y.new_zeros(2)])[:, None]).solution[:, 0]
+            r, d = (sol / scale).tolist()
+            if r < 0 or d < 0:  # one of them alone: the ratio of sums
+                col = 1 if r < 0 else 0
+                r, d = ((0.0, float(y.sum() / X[:, 1].sum())) if col == 1
+                        else (float(y.sum() / X[:, 0].sum()), 0.0))
+            self._draft_coef = (r, d)
+        return self._draft_coef
 
     def fit(self) -> tuple[float, ...] | None:
         """(a, b, p, c, d) >= 0, or None before `min_samples` steps or without spread in the
@@ -149,9 +184,12 @@ class StepCostModel:
         return self._coef
 
     def predict(self, decode: float, prefill: float = 0.0, verified: float = 0.0,
-                drafted: float = 0.0) -> float:
+                drafted: float = 0.0, requests: float = 0.0) -> float:
+        """Seconds of a step; `requests`: how many of its requests draft (`drafted` nodes)."""
         a, b, p, c, d = self.fit() or (0.0,) * 5
-        return a + b * decode + p * prefill + c * verified + d * drafted
+        r, dn = self.draft_fit()
+        return (a + b * decode + p * prefill + c * verified + d * drafted
+                + (r * requests + dn * drafted if drafted else 0.0))
 
 
 def best_budget(model: StepCostModel, batch: int, lengths: dict[int, float],
@@ -166,7 +204,8 @@ def best_budget(model: StepCostModel, batch: int, lengths: dict[int, float],
         return 0
 
     def rate(n: int) -> float:
-        return batch * lengths[n] / max(model.predict(batch, 0, batch * n, batch * n), 1e-9)
+        return batch * lengths[n] / max(
+            model.predict(batch, 0, batch * n, batch * n, batch if n else 0), 1e-9)
 
     best = max(sorted(lengths), key=lambda n: (rate(n), -n))
     if current in lengths and (1.0 + hysteresis) * rate(current) >= rate(best):
@@ -248,5 +287,6 @@ class BudgetPolicy:
         self.acceptance.add(expected_extra, observed_extra)
 
     def step_done(self, seconds: float, decode: int, prefill: int, verified: int,
-                  drafted: int) -> None:
-        self.model.add(seconds, decode, prefill, verified, drafted)
+                  drafted: int, drafting_seconds: float | None = None, requests: int = 0
+                  ) -> None:
+        self.model.add(seconds, decode, prefill, verified, drafted, drafting_seconds, requests)

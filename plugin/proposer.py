@@ -165,14 +165,15 @@ class AutoBudget:
             self._gaps.append(now - self._last_end)
         self._start = now
 
-    def step_done(self, scheduler_output, drafted: dict[str, int], catch_up: float = 0.0
-                  ) -> None:
+    def step_done(self, scheduler_output, drafted: dict[str, int], catch_up: float = 0.0,
+                  drafting: float | None = None) -> None:
         """The step that ends now: the worker's time since `step_started` plus the median gap
         between steps (idle time between requests never counts), less `catch_up` (seconds its
         head commits spent on pairs of earlier steps: the lazy commits a request's first drafting
         step makes up for, a whole prompt or every step auto drafted nothing; charged to this
         step they would price drafting at many times its steady cost), its rows by kind, and
-        the nodes drafted per request."""
+        the nodes drafted per request; `drafting`: the seconds of this step's drafting phase
+        (catch-up excluded), fitted on their own (heads/cost.py)."""
         now = time.perf_counter()
         spec = scheduler_output.scheduled_spec_decode_tokens
         decode = prefill = verified = 0
@@ -186,7 +187,8 @@ class AutoBudget:
         if self._start is not None:
             gap = statistics.median(self._gaps) if self._gaps else 0.0
             self.policy.step_done(now - self._start + gap - catch_up, decode, prefill, verified,
-                                  sum(drafted.values()))
+                                  sum(drafted.values()), drafting if drafted else None,
+                                  len(drafted))
         self._start, self._last_end = None, now
         self._drafted = drafted
 
@@ -352,6 +354,7 @@ class TreeDraftProposer:
             eligible = []
         drafting = {req_id for _, req_id, *_ in eligible}
         catch_up = 0.0  # seconds of this step's commits spent on pairs of earlier steps
+        t_drafting = time.perf_counter()  # auto: the drafting phase is timed, not fitted
         if self.head is not None:  # the drafting requests' sessions read what is pending
             # (and so does any session with `full` pending pairs: bounded memory, no lost context)
             t0 = time.perf_counter()
@@ -420,7 +423,7 @@ class TreeDraftProposer:
         if self.auto is not None:
             self.auto.step_done(scheduler_output,
                                 {ib.req_ids[i]: len(d) for i, d in enumerate(drafts) if d},
-                                catch_up)
+                                catch_up, time.perf_counter() - t_drafting - catch_up)
         self.last_draft_probs = self._draft_probs(runner, drafts, probs) if probs else None
         if probs:
             logger.info_once(
