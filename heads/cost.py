@@ -14,7 +14,9 @@ their own price. Where the engine times its drafting phase itself (`drafting_sec
 time leaves the step's and is fitted on its own, per drafting request and per drafted node:
 fitted from whole steps, drafting and verifying share one column in practice (a step verifies
 what the step before drafted), and at batch 1 their fitted sum moved between 3.6 and 28 ms
-per node across refits on a drifting 2-core CPU (session 16). `best_budget` picks the node budget n per request that maximises expected
+per node across refits on a drifting 2-core CPU (session 16).
+
+`best_budget` picks the node budget n per request that maximises expected
 tokens per second for the current batch of B drafting requests:
 
     B * E(n) / seconds(decode B, verified B * n, drafted B * n)
@@ -140,10 +142,10 @@ class StepCostModel:
             A = torch.cat([X / scale, torch.eye(2, dtype=torch.float64) * 1e-3 * len(s) ** 0.5])
             sol = torch.linalg.lstsq(A, torch.cat([y, y.new_zeros(2)])[:, None]).solution[:, 0]
             r, d = (sol / scale).tolist()
-            if r < 0 or d < 0:  # one of them alone: the ratio of sums
-                col = 1 if r < 0 else 0
-                r, d = ((0.0, float(y.sum() / X[:, 1].sum())) if col == 1
-                        else (float(y.sum() / X[:, 0].sum()), 0.0))
+            if r < 0:  # one of them alone: the ratio of sums
+                r, d = 0.0, float(y.sum() / X[:, 1].sum())
+            elif d < 0:
+                r, d = float(y.sum() / X[:, 0].sum()), 0.0
             self._draft_coef = (r, d)
         return self._draft_coef
 
