@@ -357,7 +357,6 @@ class TreeDraftProposer:
         t_drafting = time.perf_counter()  # auto: the drafting phase is timed, not fitted
         if self.head is not None:  # the drafting requests' sessions read what is pending
             # (and so does any session with `full` pending pairs: bounded memory, no lost context)
-            t0 = time.perf_counter()
             flushed, generated = [], []  # generated: its last pairs whose token the target
             for _, req_id, _, session in work:  # generated (the rest are prompt tokens)
                 pending = self.pending[req_id]
@@ -384,7 +383,7 @@ class TreeDraftProposer:
             if flushed:
                 total = sum(len(item[2]) for _, item in flushed)
                 mine = sum(own[req_id] for req_id, _ in flushed)
-                catch_up = (time.perf_counter() - t0) * max(total - mine, 0) / total
+                catch_up = (time.perf_counter() - t_drafting) * max(total - mine, 0) / total
         for _, req_id, *_ in work:
             self.chain_q.pop(req_id, None)  # drafted again below, or not at all
             if req_id not in drafting:

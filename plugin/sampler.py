@@ -47,6 +47,8 @@ def sample_recovered_tokens_impl(max_spec_len, num_draft_tokens, cu_num_draft_to
     draws exponential noise over [batch, vocab] for the same, 47 ms at batch 32 (V = 49k) on a
     2-core AVX2 CPU (torch's `exponential_` is one-threaded there); this ~3-5 ms. A request with
     its own generator (a seed) draws its positions' uniforms from it, as vLLM does its noise."""
+    from vllm.v1.sample.rejection_sampler import generate_uniform_probs
+
     from treedraft.heads.sampling import draw_rows
 
     n = draft_token_ids.shape[0]
@@ -55,13 +57,7 @@ def sample_recovered_tokens_impl(max_spec_len, num_draft_tokens, cu_num_draft_to
         residual.scatter_(1, draft_token_ids.long().view(n, 1), 0.0)
     else:
         residual = (target_probs - draft_probs).clamp_(min=0.0)
-    u = torch.rand(n, dtype=torch.float64, device=device)
-    start = 0
-    for i, k in enumerate(num_draft_tokens):
-        g = sampling_metadata.generators.get(i)
-        if g is not None and k > 0:
-            u[start : start + k].uniform_(generator=g)
-        start += k
+    u = generate_uniform_probs(n, num_draft_tokens, sampling_metadata.generators, device)
     out = draw_rows(residual, u)
     empty = out < 0  # p == q: rejection here has probability 0 (but for rounding); p's argmax
     if bool(empty.any()):
