@@ -50,6 +50,26 @@ def test_cost_model_recovers_its_coefficients_and_drops_stalls():
         0.005 + 0.0006 * 4 + 0.0012 * 4, rel=1e-3)
 
 
+def test_a_negative_intercept_is_refitted_not_clipped():
+    """Batch 32 decoding for a while (the plain window holds no prefill any more), one request
+    sometimes left out of a step (31 rows) and those steps faster by chance: least squares
+    explains the 31/32 difference as 60 ms per row with an intercept of -1.7 s. Clipping that
+    intercept to 0 kept the slope: a step of 32 rows was priced at 1.9 s (measured 0.26 s), so
+    drafting looked nearly free next to it. An engine log showed such a fit (0 ms + 131 ms per
+    decode row) with auto drafting 12 nodes per request at batch 32 (session 17). A negative
+    intercept leaves the fit as any negative coefficient does."""
+    for prefills in ([], [(0.70, 3000), (0.50, 2000)]):
+        m = StepCostModel()
+        for seconds, rows in prefills:
+            m.add(seconds, 0, rows)
+        for i in range(40):
+            m.add(0.20 if i % 4 == 0 else 0.26, 31 if i % 4 == 0 else 32)
+        assert min(m.fit()) >= 0.0
+        assert m.predict(32) == pytest.approx(0.245, rel=0.05)
+        assert m.predict(31) == pytest.approx(0.245, rel=0.05)
+    assert m.predict(0, 2500) == pytest.approx(0.60, rel=0.2)
+
+
 def test_budget_follows_cost_and_batch():
     lengths = expected_lengths(RATES, 16, chain=False)
     assert best_budget(StepCostModel(), 4, lengths) == 0  # unfitted: draft nothing
