@@ -27,6 +27,17 @@ accepts (`Acceptance`: temperature, domain). n = 0 drafts nothing: a step then c
 costs without speculation. A better head raises E(n) and the same model then chooses larger
 trees: nothing to retune.
 
+Prompt-lookup nodes (`+lookup:L` in the spec) cost no head forward, only their verified rows,
+and earn what the request's own history predicts: much on a model that repeats itself (SmolLM2
+at 256 tokens, batch 1: `lookup:4` 1.41x no-spec where one head node gave 1.06x, session 17),
+little on fresh text or at T > 0. `LookupValue` measures what they earn per drafting request
+(extra tokens on lookup-only nodes, and how many such nodes were verified), and `best_plan`
+chooses the head budget n and whether to graft lookup nodes together:
+
+    B * (E(n) + g) / seconds(decode B, verified B * (n + l), drafted B * n)
+
+with g, l the measured extra tokens and lookup-only nodes per request (0, 0 without lookup).
+
 `BudgetPolicy` is the whole policy: it drafts nothing until the model has seen what drafting
 costs, and then only where drafting promises more than `MARGIN` over drafting nothing; it
 explores one budget up (and down) at an interval that doubles while the choice holds, so
@@ -206,17 +217,64 @@ def best_budget(model: StepCostModel, batch: int, lengths: dict[int, float],
     unless drafting is expected to beat no drafting by more than `margin` (x100 %). `current`
     (the budget chosen so far) stays unless another is expected to beat it by more than
     `hysteresis` (x100 %): near-equal budgets do not take turns on measurement noise."""
-    if model.fit() is None or batch <= 0 or not model.knows_drafting:
-        return 0
+    return best_plan(model, batch, lengths, None, margin,
+                     None if current is None else (current, False), hysteresis)[0]
 
-    def rate(n: int) -> float:
-        return batch * lengths[n] / max(
-            model.predict(batch, 0, batch * n, batch * n, batch if n else 0), 1e-9)
 
-    best = max(sorted(lengths), key=lambda n: (rate(n), -n))
-    if current in lengths and (1.0 + hysteresis) * rate(current) >= rate(best):
+def best_plan(model: StepCostModel, batch: int, lengths: dict[int, float],
+              lookup: tuple[float, float] | None = None, margin: float = 0.0,
+              current: tuple[int, bool] | None = None, hysteresis: float = 0.0
+              ) -> tuple[int, bool]:
+    """(head budget, graft lookup nodes) with the most expected tokens per second; `lookup`:
+    (extra tokens, lookup-only nodes) per drafting request when lookup is grafted (None: not
+    offered). Head budgets need the model to know what drafting costs; lookup alone needs only
+    measured verification. Otherwise as `best_budget` (margin over (0, False), hysteresis for
+    `current`, ties to fewer nodes and no lookup)."""
+    if model.fit() is None or batch <= 0:
+        return 0, False
+    verifies = any(s[2] > 0 for s in model.drafting)
+    plans = [(n, False) for n in sorted(lengths) if n == 0 or model.knows_drafting]
+    if lookup is not None and verifies:
+        plans += [(n, True) for n, _ in plans]
+
+    def rate(plan: tuple[int, bool]) -> float:
+        n, lk = plan
+        g, extra = lookup if lk and lookup is not None else (0.0, 0.0)
+        return batch * (lengths[n] + g) / max(model.predict(
+            batch, 0, batch * (n + extra), batch * n, batch if n else 0), 1e-9)
+
+    best = max(plans, key=lambda p: (rate(p), -p[0], not p[1]))
+    if current in plans and (1.0 + hysteresis) * rate(current) >= rate(best):
         best = current
-    return best if rate(best) > (1.0 + margin) * rate(0) else 0
+    return best if rate(best) > (1.0 + margin) * rate((0, False)) else (0, False)
+
+
+class LookupValue:
+    """What grafted prompt-lookup nodes earn, per drafting request of the steps that grafted
+    them: extra tokens accepted on lookup-only nodes and lookup-only nodes verified (decayed
+    sums, so that a request that starts or stops repeating itself shows within tens of steps).
+    Requests lookup found nothing for count with 0 and 0: the match rate is inside."""
+
+    def __init__(self, decay: float = 0.95) -> None:
+        self.decay = decay
+        self.requests = self.nodes = self.tokens = 0.0
+
+    def add(self, requests: int, nodes: int, tokens: int) -> None:
+        if requests <= 0:
+            return
+        d = self.decay
+        self.requests = d * self.requests + requests
+        self.nodes = d * self.nodes + nodes
+        self.tokens = d * self.tokens + tokens
+
+    @property
+    def known(self) -> bool:
+        return self.requests > 0
+
+    def per_request(self) -> tuple[float, float]:
+        """(extra tokens, lookup-only nodes) per drafting request."""
+        r = max(self.requests, 1e-9)
+        return self.tokens / r, self.nodes / r
 
 
 class Acceptance:
@@ -253,34 +311,61 @@ class BudgetPolicy:
     # steps, session 15)
     HYSTERESIS = 0.03
 
-    def __init__(self, lengths: dict[int, float]) -> None:
+    def __init__(self, lengths: dict[int, float], lookup: bool = False) -> None:
         self.table = dict(lengths)  # E(n) of the head's rate table
         self.model = StepCostModel()
         self.acceptance = Acceptance()
+        self.lookup = LookupValue() if lookup else None  # None: the spec grafts no lookup
         self.interval = self.EXPLORE_MIN
         self._since = 0  # steps since the last exploration
         self._up = False  # the last exploration went up (they alternate where both exist)
         self._choice = 0
+        self._lookup_choice = False
+        self._use_lookup = False
+        # lookup, while not chosen, is tried for one step at an interval of its own (doubling
+        # while the choice holds, like the budget's explorations)
+        self.lookup_interval = self.EXPLORE_MIN
+        self._lookup_since = 0
 
     @property
     def choice(self) -> int:
         """The budget the model chose last (what `choose` returns when it does not explore)."""
         return self._choice
 
+    @property
+    def use_lookup(self) -> bool:
+        """Whether the step `choose` planned last grafts lookup nodes (chosen or explored)."""
+        return self._use_lookup
+
     def lengths(self) -> dict[int, float]:
         k = self.acceptance.kappa
         return {n: 1.0 + k * (e - 1.0) for n, e in self.table.items()}
 
     def best(self, batch: int) -> int:
-        return best_budget(self.model, batch, self.lengths(), self.MARGIN, self._choice,
-                           self.HYSTERESIS)
+        return self.plan(batch)[0]
+
+    def plan(self, batch: int) -> tuple[int, bool]:
+        lookup = self.lookup.per_request() if self.lookup is not None and self.lookup.known \
+            else None
+        return best_plan(self.model, batch, self.lengths(), lookup, self.MARGIN,
+                         (self._choice, self._lookup_choice), self.HYSTERESIS)
 
     def choose(self, batch: int) -> tuple[int, bool]:
-        """(budget, explored) for a step with `batch` drafting requests."""
-        n = self.best(batch)
-        if n != self._choice:  # a new answer: check it again soon
-            self._choice, self.interval = n, self.EXPLORE_MIN
+        """(budget, explored) for a step with `batch` drafting requests; `use_lookup` says
+        whether the step grafts lookup nodes."""
+        n, lk = self.plan(batch)
+        if (n, lk) != (self._choice, self._lookup_choice):  # a new answer: check it again soon
+            self._choice, self._lookup_choice = n, lk
+            self.interval = self.lookup_interval = self.EXPLORE_MIN
+        self._use_lookup = lk
         self._since += 1
+        if self.lookup is not None and not lk:
+            self._lookup_since += 1
+            if self._lookup_since >= self.lookup_interval:  # try lookup on this step
+                self._lookup_since = 0
+                self.lookup_interval = min(2 * self.lookup_interval, self.EXPLORE_MAX)
+                self._use_lookup = True
+                return n, True
         up = [b for b in self.table if b > n]
         down = [b for b in self.table if b < n]
         if self._since < self.interval or not (up or down):
@@ -288,6 +373,12 @@ class BudgetPolicy:
         self._since, self.interval = 0, min(2 * self.interval, self.EXPLORE_MAX)
         self._up = not self._up if (up and down) else bool(up)
         return (min(up) if self._up else max(down)), True
+
+    def observe_lookup(self, requests: int, nodes: int, tokens: int) -> None:
+        """A step that grafted lookup for `requests` drafting requests: `nodes` lookup-only
+        nodes were verified and `tokens` of them accepted."""
+        if self.lookup is not None:
+            self.lookup.add(requests, nodes, tokens)
 
     def observe(self, expected_extra: float, observed_extra: float) -> None:
         self.acceptance.add(expected_extra, observed_extra)

@@ -26,6 +26,9 @@ against that request's own in-place head KV cache.
 Trees with lookup nodes ('+lookup:N'; 'lookup:N' alone runs no head) keep one incremental
 `heads.lookup.LookupIndex` per request over its token history (prompt + output, vLLM's
 `token_ids_cpu`), and graft its proposals into the head's tree (`heads.lookup.draft_hybrid`).
+Under `"tree": "auto"` with lookup nodes (the default when only the head is named), each step
+grafts them or not as `heads.cost.BudgetPolicy` says from what they earned (`use_lookup`), on
+the head's tree of the step's budget or alone (budget 0: no head forward at all).
 
 vLLM's `num_speculative_tokens_per_batch_size` schedule (scheduler_output.
 num_spec_tokens_to_schedule) is the node budget of the step: chains are drafted that deep, other
@@ -35,6 +38,7 @@ nothing is drafted (the head still reads the step's hidden states, so it keeps i
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -46,6 +50,8 @@ from vllm.logger import init_logger
 
 from treedraft.heads.common import PendingPairs, commit_sessions
 from treedraft.heads.lookup import (
+    HEAD,
+    LOOKUP,
     SOURCES,
     HybridTree,
     LookupIndex,
@@ -93,11 +99,12 @@ class AutoBudget:
         from treedraft.heads.cost import BudgetPolicy
 
         self.spec = spec
-        self.policy = BudgetPolicy({0: 1.0, spec.max_nodes: 1.0})
+        self.policy = BudgetPolicy({0: 1.0, spec.head_nodes: 1.0}, lookup=bool(spec.lookup))
         self._start: float | None = None  # when this step's execute_model began
         self._last_end: float | None = None
         self._gaps: deque[float] = deque(maxlen=32)
-        self._drafted: dict[str, int] = {}  # req_id -> nodes drafted for it last step
+        self._drafted: dict[str, int] = {}  # req_id -> head nodes drafted for it last step
+        self._grafted: dict[str, int] = {}  # req_id -> lookup-only nodes of last step's lookup
         self._logged: tuple[int, int] | None = None
         self._log_at = 0.0
         self._fitted = False
@@ -110,18 +117,31 @@ class AutoBudget:
 
         table = expected_lengths(rates or DEFAULT_ACCEPTANCE_RATES, self.spec.head_nodes,
                                  chain=self.spec.head_spec.is_chain)
-        table[self.spec.max_nodes] = max(table.values())  # + lookup nodes
-        self.policy = BudgetPolicy(table)
+        self.policy = BudgetPolicy(table, lookup=bool(self.spec.lookup))
 
-    def observe(self, sampled: dict[str, int]) -> None:
-        """sampled: req_id -> tokens this step gave the request (1 + accepted drafts)."""
+    def observe(self, sampled: dict[str, int], accepted: dict | None = None,
+                sources: dict | None = None) -> None:
+        """sampled: req_id -> tokens this step gave the request (1 + accepted drafts);
+        accepted / sources (tree mode): the accepted node ids and the HEAD/LOOKUP bits of the
+        trees verified this step, which split what the head earned from what lookup did."""
         table = self.policy.table
         expected = observed = 0.0
-        for req_id, n in self._drafted.items():
-            if sampled.get(req_id, 0) >= 1 and n:
+        grafted = nodes = tokens = 0
+        for req_id in {*self._drafted, *self._grafted}:
+            if sampled.get(req_id, 0) < 1:
+                continue
+            got = sampled[req_id] - 1
+            path, src = (accepted or {}).get(req_id), (sources or {}).get(req_id)
+            looked = (sum(1 for a in path if int(src[a]) == LOOKUP)
+                      if path is not None and src is not None else 0)
+            if n := self._drafted.get(req_id, 0):
                 expected += table[max(b for b in table if b <= n)] - 1.0
-                observed += sampled[req_id] - 1
+                observed += got - looked
+            if req_id in self._grafted:
+                grafted, nodes, tokens = grafted + 1, nodes + self._grafted[req_id], tokens + looked
         self.policy.observe(expected, observed)
+        if grafted:
+            self.policy.observe_lookup(grafted, nodes, tokens)
 
     @property
     def drafted(self) -> dict[str, int]:
@@ -135,9 +155,15 @@ class AutoBudget:
             self.policy.observe(checked * (self.policy.table[1] - 1.0), float(hits))
             self.teacher_checks += checked
 
+    @property
+    def use_lookup(self) -> bool:
+        """Whether the step `choose` planned last grafts lookup nodes."""
+        return self.policy.use_lookup
+
     def choose(self, batch: int) -> tuple[int, int | None]:
-        """(node budget, how many of the `batch` requests draft it: None for all; an
-        exploration up from drafting nothing drafts for EXPLORE_REQUESTS of them)."""
+        """(head node budget, how many of the `batch` requests draft: None for all; an
+        exploration from drafting nothing drafts for EXPLORE_REQUESTS of them); `use_lookup`:
+        whether lookup nodes are grafted too."""
         n, explored = self.policy.choose(batch)
         self.explorations += explored
         now = time.monotonic()
@@ -145,19 +171,28 @@ class AutoBudget:
         first = fitted and not self._fitted  # the first choice from measured drafting cost
         self._fitted |= fitted
         if not explored and _tp_rank0() and (
-                first or ((batch, n) != self._logged and now - self._log_at > 10)):
+                first or ((batch, n, self.use_lookup) != self._logged and now - self._log_at > 10)):
             coef = self.policy.model.fit() or (0.0,) * 5
             logger.info(
-                "treedraft auto: %d drafting requests -> %d nodes each (expected %.2f tokens per "
-                "request-step, acceptance x%.2f of the head's table; step ~ %.1f ms + %.2f "
+                "treedraft auto: %d drafting requests -> %d nodes each%s (expected %.2f tokens "
+                "per request-step, acceptance x%.2f of the head's table; step ~ %.1f ms + %.2f "
                 "ms/decode row + %.2f ms/prefill row + %.2f ms/verified draft + %.2f ms/drafted "
                 "node; %d steps measured, %d explored, %d positions checked teacher-forced)",
-                batch, n, self.policy.lengths()[n], self.policy.acceptance.kappa,
+                batch, n, self._lookup_said(), self.policy.lengths()[n],
+                self.policy.acceptance.kappa,
                 *(1e3 * c for c in coef), len(self.policy.model.samples), self.explorations,
                 self.teacher_checks)
-            self._logged, self._log_at = (batch, n), now
+            self._logged, self._log_at = (batch, n, self.use_lookup), now
         few = explored and self.policy.choice == 0 and batch > EXPLORE_REQUESTS
         return n, (EXPLORE_REQUESTS if few else None)
+
+    def _lookup_said(self) -> str:
+        lookup = self.policy.lookup
+        if lookup is None:
+            return ""
+        g, nodes = lookup.per_request()
+        return (f" {'+' if self.use_lookup else 'without'} lookup (lookup earned {g:.2f} tokens "
+                f"for {nodes:.2f} nodes per request)" if lookup.known else " (lookup untried)")
 
     def step_started(self) -> None:
         now = time.perf_counter()
@@ -166,14 +201,16 @@ class AutoBudget:
         self._start = now
 
     def step_done(self, scheduler_output, drafted: dict[str, int], catch_up: float = 0.0,
-                  drafting: float | None = None) -> None:
+                  drafting: float | None = None, grafted: dict[str, int] | None = None
+                  ) -> None:
         """The step that ends now: the worker's time since `step_started` plus the median gap
         between steps (idle time between requests never counts), less `catch_up` (seconds its
         head commits spent on pairs of earlier steps: the lazy commits a request's first drafting
         step makes up for, a whole prompt or every step auto drafted nothing; charged to this
         step they would price drafting at many times its steady cost), its rows by kind, and
-        the nodes drafted per request; `drafting`: the seconds of this step's drafting phase
-        (catch-up excluded), fitted on their own (heads/cost.py)."""
+        the head nodes drafted per request; `drafting`: the seconds of this step's drafting phase
+        (catch-up excluded), fitted on their own (heads/cost.py); `grafted`: requests that got
+        lookup this step -> their lookup-only nodes."""
         now = time.perf_counter()
         spec = scheduler_output.scheduled_spec_decode_tokens
         decode = prefill = verified = 0
@@ -190,7 +227,7 @@ class AutoBudget:
                                   sum(drafted.values()), drafting if drafted else None,
                                   len(drafted))
         self._start, self._last_end = None, now
-        self._drafted = drafted
+        self._drafted, self._grafted = drafted, grafted or {}
 
 
 def _tp_rank0() -> bool:
@@ -207,7 +244,7 @@ class TreeDraftProposer:
             )
         self.head_dir = td.get("head_dir")  # None: 'lookup:N' alone, no head
         self.spec = parse_tree_spec(td["tree"])
-        self._smaller: dict[int, object] = {}  # budget -> smaller spec (spec_for)
+        self._smaller: dict = {}  # budget -> smaller spec (spec_for); (n, lookup) -> auto_spec
         self.auto = AutoBudget(self.spec) if td.get("auto") else None  # "tree": "auto"
         self.tree_mode = not self.spec.is_chain  # chains: vLLM's rejection sampler verifies
         self.num_layers = vllm_config.model_config.hf_text_config.num_hidden_layers
@@ -286,6 +323,20 @@ class TreeDraftProposer:
             self._smaller[budget] = parse_tree_spec(text)
         return self._smaller[budget]
 
+    def auto_spec(self, n: int, lookup: int):
+        """`"tree": "auto"`'s tree for a step: the head's tree of `n` nodes (spec_for) with the
+        spec's `lookup` nodes grafted (lookup alone at n = 0)."""
+        key = (n, lookup)
+        if key not in self._smaller:
+            if not n:
+                spec = parse_tree_spec(f"lookup:{lookup}")
+            else:
+                spec = self.spec_for(n)
+                spec = dataclasses.replace(spec.head_spec, lookup=lookup) if lookup else (
+                    spec.head_spec)
+            self._smaller[key] = spec
+        return self._smaller[key]
+
     # -------------------------------------------------------------- one step
     @torch.no_grad()
     def propose_step(self, runner, scheduler_output, sampled_token_ids: list[list[int]],
@@ -343,16 +394,22 @@ class TreeDraftProposer:
         # schedule, or auto's choice)
         eligible = [(i, req_id, sampled, session) for i, req_id, sampled, session in work
                     if sampled and not (self.tree_mode and request_unsupported(runner, req_id))]
+        spec = None  # the tree of this step (auto), else spec_for(budget) below
         if self.auto is not None:
-            self.auto.observe({req_id: len(sampled) for _, req_id, sampled, _ in work})
+            self.auto.observe({req_id: len(sampled) for _, req_id, sampled, _ in work},
+                              accepted, self.sources)
         if self.auto is not None and eligible and budget:
             n, few = self.auto.choose(len(eligible))
-            budget = min(budget, n)
+            lookup = self.spec.lookup if self.auto.use_lookup else 0
+            budget = min(budget, n + lookup)
+            spec = self.auto_spec(n, lookup) if budget else None
             if few is not None:  # explore with the requests that have the least to catch up
                 eligible = sorted(eligible, key=lambda e: len(self.pending[e[1]]))[:few]
         if not budget:
             eligible = []
-        drafting = {req_id for _, req_id, *_ in eligible}
+        spec = spec or (self.spec_for(budget) if budget else self.spec)
+        # the requests whose head drafts (lookup alone reads no head session)
+        drafting = {req_id for _, req_id, *_ in eligible} if spec.has_head else set()
         catch_up = 0.0  # seconds of this step's commits spent on pairs of earlier steps
         t_drafting = time.perf_counter()  # auto: the drafting phase is timed, not fitted
         if self.head is not None:  # the drafting requests' sessions read what is pending
@@ -384,12 +441,12 @@ class TreeDraftProposer:
                 total = sum(len(item[2]) for _, item in flushed)
                 mine = sum(own[req_id] for req_id, _ in flushed)
                 catch_up = (time.perf_counter() - t_drafting) * max(total - mine, 0) / total
+        drafted_now = {req_id for _, req_id, *_ in eligible}
         for _, req_id, *_ in work:
             self.chain_q.pop(req_id, None)  # drafted again below, or not at all
-            if req_id not in drafting:
+            if req_id not in drafted_now:
                 self.trees.pop(req_id, None)
                 self.sources.pop(req_id, None)
-        spec = self.spec_for(budget) if budget else self.spec
         # sampled requests draft chains from q where this step's trees are chains
         chain_depth = min(spec.chain_nodes or 0, budget)
         jobs = []  # (i, req_id, root, session, lookup index)
@@ -420,9 +477,22 @@ class TreeDraftProposer:
             self.trees[req_id], self.sources[req_id] = hybrid.tree, hybrid.sources
             drafts[i] = hybrid.tree.tokens[1 : budget + 1].tolist()  # make_request keeps these
         if self.auto is not None:
-            self.auto.step_done(scheduler_output,
-                                {ib.req_ids[i]: len(d) for i, d in enumerate(drafts) if d},
-                                catch_up, time.perf_counter() - t_drafting - catch_up)
+            heads, grafted = {}, {}
+            for i, d in enumerate(drafts):
+                req_id = ib.req_ids[i]
+                if not d:
+                    if spec.lookup and req_id in drafted_now:
+                        grafted[req_id] = 0  # lookup found nothing to propose
+                    continue
+                src = self.sources.get(req_id)
+                bits = src[1 : len(d) + 1] if src is not None else None
+                head = len(d) if bits is None else int(((bits & HEAD) != 0).sum())
+                if head:
+                    heads[req_id] = head
+                if spec.lookup:
+                    grafted[req_id] = len(d) - head
+            self.auto.step_done(scheduler_output, heads, catch_up,
+                                time.perf_counter() - t_drafting - catch_up, grafted)
         self.last_draft_probs = self._draft_probs(runner, drafts, probs) if probs else None
         if probs:
             logger.info_once(

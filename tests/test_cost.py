@@ -7,7 +7,13 @@ from itertools import pairwise
 
 import pytest
 
-from treedraft.heads.cost import BudgetPolicy, StepCostModel, best_budget, expected_lengths
+from treedraft.heads.cost import (
+    BudgetPolicy,
+    StepCostModel,
+    best_budget,
+    best_plan,
+    expected_lengths,
+)
 from treedraft.heads.tree import build_static_paths, expected_acceptance_length
 
 RATES = [[0.43, 0.12, 0.05], [0.34, 0.1], [0.33], [0.33]]  # about the shipped EAGLE head
@@ -212,6 +218,78 @@ def test_policy_never_loses_much_where_drafting_does_not_pay_and_finds_where_it_
         assert mode(budgets[-100:]) == true_best(mid, kappa, 8, lengths), (kappa, budgets[-20:])
         assert speed > 0.97, (kappa, speed)
     assert true_best(mid, 1.0, 8, lengths) > true_best(mid, 0.2, 8, lengths)
+
+
+def test_lookup_is_grafted_where_it_pays():
+    """best_plan: lookup nodes cost verified rows only; they are grafted where what they earn
+    per request pays for them, never when they earn nothing or when verification was never
+    measured, and never when not offered."""
+    lengths = expected_lengths(RATES, 16, chain=False)
+    batch1 = fitted(0.040, 0.001, 0.003, 0.004)  # batch 1 on a CPU: a verified row ~3 ms of 44
+    assert best_plan(batch1, 1, lengths, (0.8, 3.0)) == (1, True)
+    assert best_plan(batch1, 1, lengths, (0.0, 3.0))[1] is False  # lookup found nothing
+    assert best_plan(batch1, 1, lengths, None)[1] is False  # not offered
+    cpu = fitted(0.005, 0.0006, 0.0006, 0.0001)  # every row costs about what a token is worth
+    assert best_plan(cpu, 64, lengths, (0.8, 3.0)) == (0, False)
+    assert best_plan(cpu, 64, lengths, (0.8, 3.0), margin=-0.9) == (0, False)  # still worse
+    plain = StepCostModel()
+    for rows in range(1, 20):
+        plain.add(0.01 + 0.001 * rows, rows)
+    assert best_plan(plain, 1, lengths, (5.0, 1.0)) == (0, False)  # no verification measured
+    # lookup alone, no head drafting measured yet: lookup is priced by verified rows only
+    verified = StepCostModel()
+    for step in range(30):
+        v = 3 * (step % 2)
+        verified.add(0.040 + 0.003 * v, 1, 0, v)
+    assert not verified.knows_drafting
+    assert best_plan(verified, 1, lengths, (0.8, 3.0)) == (0, True)
+
+
+def simulate_lookup(cost, batch: int, steps: int, lengths, gain: float, nodes: float = 3.0
+                    ) -> tuple[float, list[tuple[int, bool]]]:
+    """`simulate` with lookup offered: grafted, it verifies `nodes` more rows per request and
+    earns `gain` more tokens (the head accepts what its table says); an exploration from
+    drafting nothing drafts for 4 requests only, as the engine's does (EXPLORE_REQUESTS).
+    Returns (tokens/s against no speculation, (budget, lookup) of every step)."""
+    policy = BudgetPolicy(lengths, lookup=True)
+    for pre in (40, 120, 80):
+        policy.step_done(cost(0, 0, 0) + 0.0001 * pre, 0, pre, 0, 0)
+    tokens = seconds = 0.0
+    last, last_lookup, last_k, plans = 0, False, 0, []
+    for _ in range(steps):
+        extra = lengths[last] - 1.0 if last else 0.0
+        policy.observe(last_k * extra, last_k * extra)
+        if last_lookup:
+            policy.observe_lookup(last_k, round(last_k * nodes), round(last_k * gain))
+        n, explored = policy.choose(batch)
+        k = min(batch, 4) if explored and policy.choice == 0 else batch  # drafting requests
+        verified = last_k * last + (round(last_k * nodes) if last_lookup else 0)
+        t = cost(batch, verified, k * n)
+        policy.step_done(t, batch, 0, verified, k * n)
+        tokens += batch + last_k * extra + (round(last_k * gain) if last_lookup else 0)
+        seconds += t
+        last, last_lookup, last_k = n, policy.use_lookup, k
+        plans.append((n, last_lookup))
+    return (tokens / seconds) / (batch / cost(batch, 0, 0)), plans
+
+
+def test_policy_grafts_lookup_where_it_pays_and_tries_it_rarely_elsewhere():
+    lengths = expected_lengths(RATES, 16, chain=False)
+
+    def cpu(dec, ver, dra):  # as in the test above: one head node pays at batch 1 only
+        return 0.060 + 0.0075 * dec + 0.011 * ver + 0.0015 * dra
+
+    # batch 1, a repetitive reply: 3 lookup nodes earn 0.8 tokens; the best plan grafts them
+    speed, plans = simulate_lookup(cpu, 1, 400, lengths, gain=0.8)
+    assert plans[-100:].count((1, True)) >= 95 and speed > 1.3, (speed, plans[-20:])
+    # fresh text: lookup earns nothing; it is tried now and then and left off
+    speed, plans = simulate_lookup(cpu, 1, 400, lengths, gain=0.0)
+    assert sum(lk for _, lk in plans[200:]) <= 2 and plans[-100:].count((1, False)) >= 95
+    assert speed > 1.1, speed
+    # batch 32: rows cost more than lookup earns; neither is drafted but for rare tries
+    speed, plans = simulate_lookup(cpu, 32, 400, lengths, gain=0.8)
+    assert sum(n > 0 or lk for n, lk in plans[200:]) <= 4, plans[200:]
+    assert speed > 0.97, speed
 
 
 def test_plain_steps_refit_the_model_every_few_steps_drafting_steps_at_once():

@@ -388,12 +388,16 @@ def test_treedraft_head_becomes_a_custom_class_proposer():
 def test_auto_tree_names_the_most_it_may_draft():
     from treedraft.heads.common import read_config
     from treedraft.heads.tree import parse_tree_spec
+    from treedraft.plugin.config import AUTO_LOOKUP
     from treedraft.training.heads_zoo import resolve_head
 
     default = parse_tree_spec(read_config(resolve_head("smollm2-135m-eagle"))["default_tree"])
     default = default.to_string()
-    for spec, tree in [({}, default),  # only the head named: auto, at most its default tree
-                       ({"tree": "auto"}, default),
+    # only the head named: auto, at most its default tree with AUTO_LOOKUP lookup nodes grafted
+    most = f"{default}+lookup:{AUTO_LOOKUP}"
+    for spec, tree in [({}, most),
+                       ({"tree": "auto"}, most),
+                       ({"tree": "auto:dynamic:16,4,4+lookup:8"}, "dynamic:16,4,4+lookup:8"),
                        ({"tree": " auto : dynamic:16,4,4 "}, "dynamic:16,4,4"),
                        ({"tree": "auto", "num_speculative_tokens": 3}, "chain:3")]:
         cfg = _engine_config({"model": "smollm2-135m-eagle", **spec})
@@ -499,10 +503,14 @@ def test_speculators_eagle3_folder_is_served_as_trees_or_left_to_vllm(
     assert loaded.config.layout == "eagle3" and loaded.config.fuse_norm
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(),
                                                  head.state_dict().values(), strict=True))
-    # no tree: the head's default tree (our export records it), else the folder's own chain
-    # length (a third-party folder); method eagle3: vLLM's own EAGLE-3, untouched
+    # no tree: "auto" up to the head's default tree (our export records it), else the folder's
+    # own chain length (a third-party folder), with lookup nodes; method eagle3: vLLM's own
+    # EAGLE-3, untouched
+    from treedraft.plugin.config import AUTO_LOOKUP
+
+    lookup = f"+lookup:{AUTO_LOOKUP}"
     assert _engine_config({"model": str(folder)}).additional_config["treedraft"]["tree"] == \
-        _engine_config({"model": str(folder), "tree": head.config.default_tree}
+        _engine_config({"model": str(folder), "tree": head.config.default_tree + lookup}
                        ).additional_config["treedraft"]["tree"]
     third = tmp_path / "third-party"
     shutil.copytree(folder, third)
@@ -510,7 +518,7 @@ def test_speculators_eagle3_folder_is_served_as_trees_or_left_to_vllm(
     del raw["treedraft"]
     (third / "config.json").write_text(json.dumps(raw))
     assert _engine_config({"model": str(third)}).additional_config["treedraft"]["tree"] == \
-        "chain:3"
+        "chain:3" + lookup
     stock = _engine_config({"method": "eagle3", "model": str(folder),
                             "num_speculative_tokens": 3})
     assert stock.speculative_config.method == "eagle3"
