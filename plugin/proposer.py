@@ -168,10 +168,13 @@ class AutoBudget:
         self.explorations += explored
         now = time.monotonic()
         fitted = self.policy.model.knows_drafting and self.policy.model.fit() is not None
-        first = fitted and not self._fitted  # the first choice from measured drafting cost
-        self._fitted |= fitted
+        # the first choice from measured drafting cost is logged (at the first step that does
+        # not explore: lookup's tries made the one where the model first knew drafting an
+        # exploration, and the line was lost)
+        first = fitted and not self._fitted
         if not explored and _tp_rank0() and (
                 first or ((batch, n, self.use_lookup) != self._logged and now - self._log_at > 10)):
+            self._fitted |= fitted
             coef = self.policy.model.fit() or (0.0,) * 5
             logger.info(
                 "treedraft auto: %d drafting requests -> %d nodes each%s (expected %.2f tokens "

@@ -24,8 +24,9 @@ engine core and worker in-process, which starts in about half the time):
 * two engines in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0): no speculation, a tree, then
   the first engine again give identical outputs (the tree engine gets tree attention although
   vLLM cached the first engine's backend choice; no step state crosses engines).
-* auto: `"tree": "auto:dynamic:10,3,3"` (each step's node budget chosen from measured step
-  cost, down to 0) is identical too, drafted trees, and logged its choices.
+* auto: `"tree": "auto:dynamic:10,3,3+lookup:4"` (each step's head node budget, down to 0, and
+  whether to graft the lookup nodes chosen from measured step cost and what drafts earned) is
+  identical too, drafted, and logged its choices with lookup's state.
 * batch-size schedule: vLLM's `num_speculative_tokens_per_batch_size` caps the tree at 2 nodes
   at batch <= 2 and turns drafting off above; outputs are still identical, and the draft counts
   show the cap (single stream: trees of at most 2 nodes; batch 8: no drafts while all 8 run).
@@ -226,7 +227,7 @@ def runs(target, prompts, tokenizer, eagle3_export, medusa_export, tmp_path_fact
         "pressure": (target, TREE, [*greedy, serving, *jobs[1:2]],
                      {**small_kv, "max_num_batched_tokens": 64, "max_num_seqs": 8}),
         # "tree": "auto": each step's node budget from measured step cost (heads/cost.py)
-        "auto": (target, {"model": EAGLE, "tree": "auto:dynamic:10,3,3"}, greedy, None),
+        "auto": (target, {"model": EAGLE, "tree": "auto:dynamic:10,3,3+lookup:4"}, greedy, None),
         "schedule": (target, {**TREE, "num_speculative_tokens_per_batch_size": SCHEDULE},
                      [jobs[1], {"name": "wide", "prompts": prompts, "params": {
                          "temperature": 0, "max_tokens": 16, "ignore_eos": True}}], None),
@@ -381,10 +382,11 @@ def test_greedy_outputs_identical_to_no_speculation(runs, name, prompts, target)
         assert res["spec"]["draft_tokens"] > res["spec"]["drafts"]
     if name == "auto":  # the budget chooser ran, measured drafting and said what it chose
         log = runs[name][1]
-        said = re.findall(r"treedraft auto: .*step ~ ([\d.]+) ms .* (\d+) steps measured, "
+        said = re.findall(r"treedraft auto: .* nodes each (\(lookup untried\)|[+a-z]+ lookup).*"
+                          r"step ~ ([\d.]+) ms .* (\d+) steps measured, "
                           r"(\d+) explored, (\d+) positions checked teacher-forced", log)
         assert said, log[-3000:]
-        ms, measured, explored, checked = said[-1]  # chose from what it measured
+        _, ms, measured, explored, checked = said[-1]  # chose from what it measured
         assert float(ms) > 0 and int(measured) >= 12 and int(explored) >= 1, said
         assert int(checked) > 0, said  # catch-up commits tested the head (acceptance signal)
 
