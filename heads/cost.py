@@ -28,15 +28,20 @@ costs without speculation. A better head raises E(n) and the same model then cho
 trees: nothing to retune.
 
 Prompt-lookup nodes (`+lookup:L` in the spec) cost no head forward, only their verified rows,
-and earn what the request's own history predicts: much on a model that repeats itself (SmolLM2
-at 256 tokens, batch 1: `lookup:4` 1.41x no-spec where one head node gave 1.06x, session 17),
-little on fresh text or at T > 0. `LookupValue` measures what they earn per drafting request
-(extra tokens on lookup-only nodes, and how many such nodes were verified), and `best_plan`
-chooses the head budget n and whether to graft lookup nodes together:
+and earn what the request's own history predicts: much where the model repeats itself (SmolLM2
+on MT-bench at 256 tokens, batch 1, T=0: `chain:1+lookup:4` 1.39x no-spec where one head node
+gave 1.07x, session 17), nothing on fresh text. What they earn changes within a reply, so the
+choice is per request and step: `LookupValue` keeps, per match length of the request's best
+lookup proposal (1..4 tokens of its history's suffix seen before), what grafting earned (extra
+tokens on lookup-only nodes) and cost (lookup-only nodes verified), and `BudgetPolicy.graft`
+grafts a request's lookup nodes when their extra tokens per second beat the step's own:
 
-    B * (E(n) + g) / seconds(decode B, verified B * (n + l), drafted B * n)
+    g_k / (l_k * c) > (1 + MARGIN) * tokens(step) / seconds(step)
 
-with g, l the measured extra tokens and lookup-only nodes per request (0, 0 without lookup).
+(c: the fitted seconds per verified draft row; a match length grafted stays grafted down to
+(1 - LOOKUP_HYSTERESIS) of that bar). What is measured fades step by step over an optimistic
+prior, so a match length left out is grafted again after a while and measured anew: what
+lookup earns changes within a reply, and an estimate that is never refreshed stays wrong.
 
 `BudgetPolicy` is the whole policy: it drafts nothing until the model has seen what drafting
 costs, and then only where drafting promises more than `MARGIN` over drafting nothing; it
@@ -217,64 +222,50 @@ def best_budget(model: StepCostModel, batch: int, lengths: dict[int, float],
     unless drafting is expected to beat no drafting by more than `margin` (x100 %). `current`
     (the budget chosen so far) stays unless another is expected to beat it by more than
     `hysteresis` (x100 %): near-equal budgets do not take turns on measurement noise."""
-    return best_plan(model, batch, lengths, None, margin,
-                     None if current is None else (current, False), hysteresis)[0]
+    if model.fit() is None or batch <= 0 or not model.knows_drafting:
+        return 0
 
+    def rate(n: int) -> float:
+        return batch * lengths[n] / max(
+            model.predict(batch, 0, batch * n, batch * n, batch if n else 0), 1e-9)
 
-def best_plan(model: StepCostModel, batch: int, lengths: dict[int, float],
-              lookup: tuple[float, float] | None = None, margin: float = 0.0,
-              current: tuple[int, bool] | None = None, hysteresis: float = 0.0
-              ) -> tuple[int, bool]:
-    """(head budget, graft lookup nodes) with the most expected tokens per second; `lookup`:
-    (extra tokens, lookup-only nodes) per drafting request when lookup is grafted (None: not
-    offered). Head budgets need the model to know what drafting costs; lookup alone needs only
-    measured verification. Otherwise as `best_budget` (margin over (0, False), hysteresis for
-    `current`, ties to fewer nodes and no lookup)."""
-    if model.fit() is None or batch <= 0:
-        return 0, False
-    verifies = any(s[2] > 0 for s in model.drafting)
-    plans = [(n, False) for n in sorted(lengths) if n == 0 or model.knows_drafting]
-    if lookup is not None and verifies:
-        plans += [(n, True) for n, _ in plans]
-
-    def rate(plan: tuple[int, bool]) -> float:
-        n, lk = plan
-        g, extra = lookup if lk and lookup is not None else (0.0, 0.0)
-        return batch * (lengths[n] + g) / max(model.predict(
-            batch, 0, batch * (n + extra), batch * n, batch if n else 0), 1e-9)
-
-    best = max(plans, key=lambda p: (rate(p), -p[0], not p[1]))
-    if current in plans and (1.0 + hysteresis) * rate(current) >= rate(best):
+    best = max(sorted(lengths), key=lambda n: (rate(n), -n))
+    if current in lengths and (1.0 + hysteresis) * rate(current) >= rate(best):
         best = current
-    return best if rate(best) > (1.0 + margin) * rate((0, False)) else (0, False)
+    return best if rate(best) > (1.0 + margin) * rate(0) else 0
 
 
 class LookupValue:
-    """What grafted prompt-lookup nodes earn, per drafting request of the steps that grafted
-    them: extra tokens accepted on lookup-only nodes and lookup-only nodes verified (decayed
-    sums, so that a request that starts or stops repeating itself shows within tens of steps).
-    Requests lookup found nothing for count with 0 and 0: the match rate is inside."""
+    """What grafted prompt-lookup nodes earn, per match length k of the request's proposal:
+    sums over grafts of extra tokens accepted on lookup-only nodes and of lookup-only nodes
+    verified, decayed every step (`step`), over an optimistic prior (PRIOR_WEIGHT grafts of
+    `prior_nodes` nodes earning PRIOR tokens each) that never decays: a match length that is
+    no longer grafted drifts back to the prior and is grafted again, so what it earns is
+    measured again (a reply that starts repeating itself, a batch that shrank)."""
 
-    def __init__(self, decay: float = 0.95) -> None:
-        self.decay = decay
-        self.requests = self.nodes = self.tokens = 0.0
+    PRIOR, PRIOR_WEIGHT = 0.5, 0.25
 
-    def add(self, requests: int, nodes: int, tokens: int) -> None:
-        if requests <= 0:
-            return
-        d = self.decay
-        self.requests = d * self.requests + requests
-        self.nodes = d * self.nodes + nodes
-        self.tokens = d * self.tokens + tokens
+    def __init__(self, decay: float = 0.99, prior_nodes: float = 4.0) -> None:
+        self.decay, self.prior_nodes = decay, prior_nodes
+        self._sums: dict[int, list[float]] = {}  # k -> [grafts, nodes, tokens] measured
 
-    @property
-    def known(self) -> bool:
-        return self.requests > 0
+    def add(self, match: int, nodes: int, tokens: int) -> None:
+        s = self._sums.setdefault(match, [0.0, 0.0, 0.0])
+        s[0], s[1], s[2] = s[0] + 1, s[1] + nodes, s[2] + tokens
 
-    def per_request(self) -> tuple[float, float]:
-        """(extra tokens, lookup-only nodes) per drafting request."""
-        r = max(self.requests, 1e-9)
-        return self.tokens / r, self.nodes / r
+    def step(self) -> None:
+        for s in self._sums.values():
+            s[0], s[1], s[2] = (self.decay * x for x in s)
+
+    def value(self, match: int) -> tuple[float, float]:
+        """(extra tokens, lookup-only nodes) per graft at match length `match`."""
+        g, n, t = self._sums.get(match, (0.0, 0.0, 0.0))
+        w = self.PRIOR_WEIGHT
+        return (t + w * self.PRIOR * self.prior_nodes) / (g + w), (n + w * self.prior_nodes) / (g + w)
+
+    def said(self) -> str:
+        return ", ".join(f"k={k} {self.value(k)[0]:.2f} tokens/{self.value(k)[1]:.1f} nodes"
+                         for k in sorted(self._sums)) or "untried"
 
 
 class Acceptance:
@@ -310,6 +301,9 @@ class BudgetPolicy:
     # every few steps and each change restarted frequent exploration (70 explorations in 181
     # steps, session 15)
     HYSTERESIS = 0.03
+    # a match length that is grafted stays grafted until it earns this much less than it must
+    # to be taken up (an estimate from a few dozen noisy grafts dips below the bar)
+    LOOKUP_HYSTERESIS = 0.15
 
     def __init__(self, lengths: dict[int, float], lookup: bool = False) -> None:
         self.table = dict(lengths)  # E(n) of the head's rate table
@@ -320,52 +314,54 @@ class BudgetPolicy:
         self._since = 0  # steps since the last exploration
         self._up = False  # the last exploration went up (they alternate where both exist)
         self._choice = 0
-        self._lookup_choice = False
-        self._use_lookup = False
-        # lookup, while not chosen, is tried for one step at an interval of its own (doubling
-        # while the choice holds, like the budget's explorations)
-        self.lookup_interval = self.EXPLORE_MIN
-        self._lookup_since = 0
+        self._bar = None  # (seconds per verified row, tokens per second) of the planned step
+        self._grafting: set[int] = set()  # match lengths grafted now
 
     @property
     def choice(self) -> int:
         """The budget the model chose last (what `choose` returns when it does not explore)."""
         return self._choice
 
-    @property
-    def use_lookup(self) -> bool:
-        """Whether the step `choose` planned last grafts lookup nodes (chosen or explored)."""
-        return self._use_lookup
+    def graft(self, match: int) -> bool:
+        """Whether a request of the step `choose` planned last grafts its lookup proposal, whose
+        match length is `match` (0: it has none): where the lookup nodes' extra tokens per
+        second beat the step's own (module docstring)."""
+        if self.lookup is None or match <= 0 or self._bar is None:
+            return False
+        c, rate = self._bar
+        g, nodes = self.lookup.value(match)
+        bar = nodes * c * rate
+        if g > (1.0 - self.LOOKUP_HYSTERESIS if match in self._grafting else
+                1.0 + self.MARGIN) * bar:
+            self._grafting.add(match)
+            return True
+        self._grafting.discard(match)
+        return False
 
     def lengths(self) -> dict[int, float]:
         k = self.acceptance.kappa
         return {n: 1.0 + k * (e - 1.0) for n, e in self.table.items()}
 
     def best(self, batch: int) -> int:
-        return self.plan(batch)[0]
-
-    def plan(self, batch: int) -> tuple[int, bool]:
-        lookup = self.lookup.per_request() if self.lookup is not None and self.lookup.known \
-            else None
-        return best_plan(self.model, batch, self.lengths(), lookup, self.MARGIN,
-                         (self._choice, self._lookup_choice), self.HYSTERESIS)
+        return best_budget(self.model, batch, self.lengths(), self.MARGIN, self._choice,
+                           self.HYSTERESIS)
 
     def choose(self, batch: int) -> tuple[int, bool]:
-        """(budget, explored) for a step with `batch` drafting requests; `use_lookup` says
-        whether the step grafts lookup nodes."""
-        n, lk = self.plan(batch)
-        if (n, lk) != (self._choice, self._lookup_choice):  # a new answer: check it again soon
-            self._choice, self._lookup_choice = n, lk
-            self.interval = self.lookup_interval = self.EXPLORE_MIN
-        self._use_lookup = lk
+        """(budget, explored) for a step with `batch` drafting requests; then `graft` says, per
+        request, whether its lookup nodes are grafted."""
+        n = self.best(batch)
+        if n != self._choice:  # a new answer: check it again soon
+            self._choice, self.interval = n, self.EXPLORE_MIN
         self._since += 1
-        if self.lookup is not None and not lk:
-            self._lookup_since += 1
-            if self._lookup_since >= self.lookup_interval:  # try lookup on this step
-                self._lookup_since = 0
-                self.lookup_interval = min(2 * self.lookup_interval, self.EXPLORE_MAX)
-                self._use_lookup = True
-                return n, True
+        self._bar = None
+        coef = self.model.fit()
+        if self.lookup is not None:
+            self.lookup.step()
+        if self.lookup is not None and coef is not None and any(
+                s[2] > 0 for s in self.model.drafting):  # verification measured
+            lengths = self.lengths()
+            seconds = self.model.predict(batch, 0, batch * n, batch * n, batch if n else 0)
+            self._bar = (coef[3], batch * lengths[n] / max(seconds, 1e-9))
         up = [b for b in self.table if b > n]
         down = [b for b in self.table if b < n]
         if self._since < self.interval or not (up or down):
@@ -374,11 +370,11 @@ class BudgetPolicy:
         self._up = not self._up if (up and down) else bool(up)
         return (min(up) if self._up else max(down)), True
 
-    def observe_lookup(self, requests: int, nodes: int, tokens: int) -> None:
-        """A step that grafted lookup for `requests` drafting requests: `nodes` lookup-only
-        nodes were verified and `tokens` of them accepted."""
+    def observe_lookup(self, match: int, nodes: int, tokens: int) -> None:
+        """A request's grafted lookup proposal of match length `match` was verified: `nodes`
+        lookup-only nodes, `tokens` of them accepted."""
         if self.lookup is not None:
-            self.lookup.add(requests, nodes, tokens)
+            self.lookup.add(match, nodes, tokens)
 
     def observe(self, expected_extra: float, observed_extra: float) -> None:
         self.acceptance.add(expected_extra, observed_extra)

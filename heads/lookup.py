@@ -70,6 +70,16 @@ class LookupIndex:
             n = 0
         self.extend(history[n:])
 
+    def match_length(self) -> int:
+        """The longest n (min_n..max_n) whose last n tokens occurred earlier in the history with
+        a continuation: what `propose`'s best chain is matched on; 0 when it has none."""
+        toks, L = self.tokens, len(self.tokens)
+        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
+            ends = self._ends.get(tuple(toks[L - n:]), ())
+            if len(ends) > 1 or (ends and ends[-1] < L):
+                return n
+        return 0
+
     def propose(self, budget: int, max_depth: int = MAX_TREE_DEPTH,
                 max_candidates: int = 8) -> list[list[int]]:
         """Up to `max_candidates` distinct continuation chains (each <= max_depth tokens),
@@ -187,19 +197,20 @@ def draft_hybrid(root_token: int, expander, spec, index: LookupIndex | None,
 def draft_hybrids(jobs, spec, acceptance_rates=None, device: Device = None) -> list[HybridTree]:
     """`draft_hybrid` for several (root_token, expander, index) jobs (one per request): the
     head's trees drafted together (heads.tree.draft_trees: a tree level of every request in one
-    head forward), the lookup chains grafted per request."""
+    head forward), the lookup chains grafted per request (none for a job whose index is None)."""
     from .tree import draft_trees
 
     for root, _, index in jobs:
-        if spec.lookup and index.tokens and index.tokens[-1] != int(root):
+        if spec.lookup and index is not None and index.tokens and index.tokens[-1] != int(root):
             raise ValueError(f"lookup history ends with {index.tokens[-1]}, not the root {root}")
     head_trees = (draft_trees([(root, e) for root, e, _ in jobs], spec.head_spec,
                               acceptance_rates, device)
                   if spec.has_head else [None] * len(jobs))
     out = []
     for (root, _, index), head_tree in zip(jobs, head_trees, strict=True):
-        if not spec.lookup:  # the head's tree as drafted (already depth-ordered)
-            out.append(HybridTree.of_head(head_tree))
+        if not spec.lookup or index is None:  # the head's tree as drafted (depth-ordered)
+            out.append(HybridTree.of_head(head_tree) if head_tree is not None
+                       else merge_trees(None, root, [], device))
         else:
             out.append(merge_trees(head_tree, root, index.propose(spec.lookup), device))
     return out

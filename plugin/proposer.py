@@ -26,9 +26,10 @@ against that request's own in-place head KV cache.
 Trees with lookup nodes ('+lookup:N'; 'lookup:N' alone runs no head) keep one incremental
 `heads.lookup.LookupIndex` per request over its token history (prompt + output, vLLM's
 `token_ids_cpu`), and graft its proposals into the head's tree (`heads.lookup.draft_hybrid`).
-Under `"tree": "auto"` with lookup nodes (the default when only the head is named), each step
-grafts them or not as `heads.cost.BudgetPolicy` says from what they earned (`use_lookup`), on
-the head's tree of the step's budget or alone (budget 0: no head forward at all).
+Under `"tree": "auto"` with lookup nodes (the default when only the head is named), each request
+grafts its lookup proposal or not as `heads.cost.BudgetPolicy.graft` says from what proposals of
+its match length earned, on the head's tree of the step's budget or alone (budget 0: no head
+forward at all).
 
 vLLM's `num_speculative_tokens_per_batch_size` schedule (scheduler_output.
 num_spec_tokens_to_schedule) is the node budget of the step: chains are drafted that deep, other
@@ -104,7 +105,8 @@ class AutoBudget:
         self._last_end: float | None = None
         self._gaps: deque[float] = deque(maxlen=32)
         self._drafted: dict[str, int] = {}  # req_id -> head nodes drafted for it last step
-        self._grafted: dict[str, int] = {}  # req_id -> lookup-only nodes of last step's lookup
+        # req_id -> (match length, lookup-only nodes) of the lookup it grafted last step
+        self._grafted: dict[str, tuple[int, int]] = {}
         self._logged: tuple[int, int] | None = None
         self._log_at = 0.0
         self._fitted = False
@@ -126,7 +128,6 @@ class AutoBudget:
         trees verified this step, which split what the head earned from what lookup did."""
         table = self.policy.table
         expected = observed = 0.0
-        grafted = nodes = tokens = 0
         for req_id in {*self._drafted, *self._grafted}:
             if sampled.get(req_id, 0) < 1:
                 continue
@@ -138,10 +139,9 @@ class AutoBudget:
                 expected += table[max(b for b in table if b <= n)] - 1.0
                 observed += got - looked
             if req_id in self._grafted:
-                grafted, nodes, tokens = grafted + 1, nodes + self._grafted[req_id], tokens + looked
+                match, nodes = self._grafted[req_id]
+                self.policy.observe_lookup(match, nodes, looked)
         self.policy.observe(expected, observed)
-        if grafted:
-            self.policy.observe_lookup(grafted, nodes, tokens)
 
     @property
     def drafted(self) -> dict[str, int]:
@@ -155,15 +155,10 @@ class AutoBudget:
             self.policy.observe(checked * (self.policy.table[1] - 1.0), float(hits))
             self.teacher_checks += checked
 
-    @property
-    def use_lookup(self) -> bool:
-        """Whether the step `choose` planned last grafts lookup nodes."""
-        return self.policy.use_lookup
-
     def choose(self, batch: int) -> tuple[int, int | None]:
         """(head node budget, how many of the `batch` requests draft: None for all; an
-        exploration from drafting nothing drafts for EXPLORE_REQUESTS of them); `use_lookup`:
-        whether lookup nodes are grafted too."""
+        exploration from drafting nothing drafts for EXPLORE_REQUESTS of them); then
+        `policy.graft(match length)` per request: whether its lookup nodes are grafted."""
         n, explored = self.policy.choose(batch)
         self.explorations += explored
         now = time.monotonic()
@@ -173,7 +168,7 @@ class AutoBudget:
         # exploration, and the line was lost)
         first = fitted and not self._fitted
         if not explored and _tp_rank0() and (
-                first or ((batch, n, self.use_lookup) != self._logged and now - self._log_at > 10)):
+                first or ((batch, n) != self._logged and now - self._log_at > 10)):
             self._fitted |= fitted
             coef = self.policy.model.fit() or (0.0,) * 5
             logger.info(
@@ -185,17 +180,13 @@ class AutoBudget:
                 self.policy.acceptance.kappa,
                 *(1e3 * c for c in coef), len(self.policy.model.samples), self.explorations,
                 self.teacher_checks)
-            self._logged, self._log_at = (batch, n, self.use_lookup), now
+            self._logged, self._log_at = (batch, n), now
         few = explored and self.policy.choice == 0 and batch > EXPLORE_REQUESTS
         return n, (EXPLORE_REQUESTS if few else None)
 
     def _lookup_said(self) -> str:
         lookup = self.policy.lookup
-        if lookup is None:
-            return ""
-        g, nodes = lookup.per_request()
-        return (f" {'+' if self.use_lookup else 'without'} lookup (lookup earned {g:.2f} tokens "
-                f"for {nodes:.2f} nodes per request)" if lookup.known else " (lookup untried)")
+        return "" if lookup is None else f" (+ lookup where it pays: {lookup.said()})"
 
     def step_started(self) -> None:
         now = time.perf_counter()
@@ -204,7 +195,8 @@ class AutoBudget:
         self._start = now
 
     def step_done(self, scheduler_output, drafted: dict[str, int], catch_up: float = 0.0,
-                  drafting: float | None = None, grafted: dict[str, int] | None = None
+                  drafting: float | None = None,
+                  grafted: dict[str, tuple[int, int]] | None = None
                   ) -> None:
         """The step that ends now: the worker's time since `step_started` plus the median gap
         between steps (idle time between requests never counts), less `catch_up` (seconds its
@@ -212,8 +204,8 @@ class AutoBudget:
         step makes up for, a whole prompt or every step auto drafted nothing; charged to this
         step they would price drafting at many times its steady cost), its rows by kind, and
         the head nodes drafted per request; `drafting`: the seconds of this step's drafting phase
-        (catch-up excluded), fitted on their own (heads/cost.py); `grafted`: requests that got
-        lookup this step -> their lookup-only nodes."""
+        (catch-up excluded), fitted on their own (heads/cost.py); `grafted`: requests that
+        grafted lookup this step -> (match length, lookup-only nodes)."""
         now = time.perf_counter()
         spec = scheduler_output.scheduled_spec_decode_tokens
         decode = prefill = verified = 0
@@ -326,6 +318,12 @@ class TreeDraftProposer:
             self._smaller[budget] = parse_tree_spec(text)
         return self._smaller[budget]
 
+    def _lookup_index(self, ib, i: int, req_id: str) -> LookupIndex:
+        """The request's lookup index, synced with its token history (a view: O(new tokens))."""
+        index = self.lookups.setdefault(req_id, LookupIndex())
+        index.sync(ib.token_ids_cpu[i, : ib.num_tokens_no_spec[i]])
+        return index
+
     def auto_spec(self, n: int, lookup: int):
         """`"tree": "auto"`'s tree for a step: the head's tree of `n` nodes (spec_for) with the
         spec's `lookup` nodes grafted (lookup alone at n = 0)."""
@@ -401,13 +399,21 @@ class TreeDraftProposer:
         if self.auto is not None:
             self.auto.observe({req_id: len(sampled) for _, req_id, sampled, _ in work},
                               accepted, self.sources)
+        grafts: dict[str, int] = {}  # auto: req_id -> match length of the lookup it grafts
         if self.auto is not None and eligible and budget:
             n, few = self.auto.choose(len(eligible))
-            lookup = self.spec.lookup if self.auto.use_lookup else 0
-            budget = min(budget, n + lookup)
-            spec = self.auto_spec(n, lookup) if budget else None
             if few is not None:  # explore with the requests that have the least to catch up
                 eligible = sorted(eligible, key=lambda e: len(self.pending[e[1]]))[:few]
+            if self.spec.lookup:  # per request: graft its lookup proposal where that pays
+                for i, req_id, _, _ in eligible:
+                    match = self._lookup_index(ib, i, req_id).match_length()
+                    if self.auto.policy.graft(match):
+                        grafts[req_id] = match
+                if not n:  # lookup alone: only the requests that graft draft
+                    eligible = [e for e in eligible if e[1] in grafts]
+            lookup = self.spec.lookup if grafts else 0
+            budget = min(budget, n + lookup)
+            spec = self.auto_spec(n, lookup) if budget else None
         if not budget:
             eligible = []
         spec = spec or (self.spec_for(budget) if budget else self.spec)
@@ -461,9 +467,8 @@ class TreeDraftProposer:
                 chains.append((i, (sampled[-1], session, params, ib.generators.get(i))))
                 continue
             index = None
-            if spec.lookup:
-                index = self.lookups.setdefault(req_id, LookupIndex())
-                index.sync(ib.token_ids_cpu[i, : ib.num_tokens_no_spec[i]])  # a view: O(new)
+            if spec.lookup and (self.auto is None or req_id in grafts):
+                index = self._lookup_index(ib, i, req_id)
             jobs.append((i, req_id, sampled[-1], session, index))
         drawn = draft_chains([job for _, job in chains], chain_depth) if chains else []
         for (i, _), (chain, q) in zip(chains, drawn, strict=True):
@@ -483,17 +488,13 @@ class TreeDraftProposer:
             heads, grafted = {}, {}
             for i, d in enumerate(drafts):
                 req_id = ib.req_ids[i]
-                if not d:
-                    if spec.lookup and req_id in drafted_now:
-                        grafted[req_id] = 0  # lookup found nothing to propose
-                    continue
-                src = self.sources.get(req_id)
+                src = self.sources.get(req_id) if d else None
                 bits = src[1 : len(d) + 1] if src is not None else None
                 head = len(d) if bits is None else int(((bits & HEAD) != 0).sum())
                 if head:
                     heads[req_id] = head
-                if spec.lookup:
-                    grafted[req_id] = len(d) - head
+                if req_id in grafts:
+                    grafted[req_id] = (grafts[req_id], len(d) - head)
             self.auto.step_done(scheduler_output, heads, catch_up,
                                 time.perf_counter() - t_drafting - catch_up, grafted)
         self.last_draft_probs = self._draft_probs(runner, drafts, probs) if probs else None

@@ -11,7 +11,6 @@ from treedraft.heads.cost import (
     BudgetPolicy,
     StepCostModel,
     best_budget,
-    best_plan,
     expected_lengths,
 )
 from treedraft.heads.tree import build_static_paths, expected_acceptance_length
@@ -220,57 +219,73 @@ def test_policy_never_loses_much_where_drafting_does_not_pay_and_finds_where_it_
     assert true_best(mid, 1.0, 8, lengths) > true_best(mid, 0.2, 8, lengths)
 
 
-def test_lookup_is_grafted_where_it_pays():
-    """best_plan: lookup nodes cost verified rows only; they are grafted where what they earn
-    per request pays for them, never when they earn nothing or when verification was never
-    measured, and never when not offered."""
+def test_lookup_is_grafted_per_request_where_it_pays():
+    """A request grafts its lookup proposal when what proposals of its match length earned per
+    verified node beats the step's tokens per second at the fitted price of a verified row;
+    untried match lengths start optimistic; never without a proposal or before verification
+    was measured; a match length left out is grafted again once what it earned has faded."""
     lengths = expected_lengths(RATES, 16, chain=False)
-    batch1 = fitted(0.040, 0.001, 0.003, 0.004)  # batch 1 on a CPU: a verified row ~3 ms of 44
-    assert best_plan(batch1, 1, lengths, (0.8, 3.0)) == (1, True)
-    assert best_plan(batch1, 1, lengths, (0.0, 3.0))[1] is False  # lookup found nothing
-    assert best_plan(batch1, 1, lengths, None)[1] is False  # not offered
-    cpu = fitted(0.005, 0.0006, 0.0006, 0.0001)  # every row costs about what a token is worth
-    assert best_plan(cpu, 64, lengths, (0.8, 3.0)) == (0, False)
-    assert best_plan(cpu, 64, lengths, (0.8, 3.0), margin=-0.9) == (0, False)  # still worse
-    plain = StepCostModel()
-    for rows in range(1, 20):
-        plain.add(0.01 + 0.001 * rows, rows)
-    assert best_plan(plain, 1, lengths, (5.0, 1.0)) == (0, False)  # no verification measured
-    # lookup alone, no head drafting measured yet: lookup is priced by verified rows only
-    verified = StepCostModel()
-    for step in range(30):
-        v = 3 * (step % 2)
-        verified.add(0.040 + 0.003 * v, 1, 0, v)
-    assert not verified.knows_drafting
-    assert best_plan(verified, 1, lengths, (0.8, 3.0)) == (0, True)
+    policy = BudgetPolicy(lengths, lookup=True)
+    policy.choose(1)
+    assert not policy.graft(4)  # nothing measured yet
+    policy.model = fitted(0.040, 0.001, 0.003, 0.004)  # batch 1 on a CPU: a row ~3 ms of 44
+    policy.choose(1)
+    assert policy.graft(4) and policy.graft(1)  # untried: the optimistic prior
+    assert not policy.graft(0)  # no proposal
+    for _ in range(20):  # 3 nodes earn 0.8 tokens at match length 4, nothing at 1
+        policy.observe_lookup(4, 3, 1 if random.random() < 0.8 else 0)
+        policy.observe_lookup(1, 3, 0)
+    policy.choose(1)
+    assert policy.graft(4) and not policy.graft(1)
+    tries = []
+    for _ in range(300):  # match length 1 left out: what it earned fades, it is grafted again
+        policy.choose(1)
+        tries.append(policy.graft(1))
+        if tries[-1]:
+            policy.observe_lookup(1, 3, 0)
+    assert not any(tries[:50]) and 1 <= sum(tries) <= 8, tries
+    policy.model = fitted(0.005, 0.0006, 0.0006, 0.0001)  # batch 64: a row costs a token's worth
+    policy.choose(64)
+    assert not policy.graft(4)
+    assert not BudgetPolicy(lengths).graft(4)  # lookup not in the spec
 
 
-def simulate_lookup(cost, batch: int, steps: int, lengths, gain: float, nodes: float = 3.0
-                    ) -> tuple[float, list[tuple[int, bool]]]:
-    """`simulate` with lookup offered: grafted, it verifies `nodes` more rows per request and
-    earns `gain` more tokens (the head accepts what its table says); an exploration from
-    drafting nothing drafts for 4 requests only, as the engine's does (EXPLORE_REQUESTS).
-    Returns (tokens/s against no speculation, (budget, lookup) of every step)."""
+def simulate_lookup(cost, batch: int, steps: int, lengths, gains: dict[int, float],
+                    nodes: int = 3) -> tuple[float, list[int], list[int]]:
+    """`simulate` with lookup in the spec: request r's proposal has match length
+    `list(gains)[r % len(gains)]` and, grafted, verifies a chain of `nodes` more rows and earns
+    `gains[k]` more tokens in expectation; the head accepts what its table says;
+    an exploration from drafting nothing drafts for 4 requests only, as the engine's does
+    (EXPLORE_REQUESTS). Returns (tokens/s against no speculation, budgets, grafts per step)."""
+    noise = random.Random(0)
     policy = BudgetPolicy(lengths, lookup=True)
     for pre in (40, 120, 80):
         policy.step_done(cost(0, 0, 0) + 0.0001 * pre, 0, pre, 0, 0)
+    matches = [list(gains)[r % len(gains)] for r in range(batch)]
     tokens = seconds = 0.0
-    last, last_lookup, last_k, plans = 0, False, 0, []
+    last, last_k, last_grafts, budgets, grafted = 0, 0, [], [], []
     for _ in range(steps):
         extra = lengths[last] - 1.0 if last else 0.0
         policy.observe(last_k * extra, last_k * extra)
-        if last_lookup:
-            policy.observe_lookup(last_k, round(last_k * nodes), round(last_k * gain))
+        earned = 0
+        for k in last_grafts:  # node d is accepted with p**d: E = p + p**2 + p**3 = gains[k]
+            p = next(x / 1000 for x in range(1001) if sum((x / 1000) ** d for d in
+                                                            range(1, nodes + 1)) >= gains[k])
+            won = next((d for d in range(nodes) if noise.random() >= p), nodes)
+            policy.observe_lookup(k, nodes, won)
+            earned += won
         n, explored = policy.choose(batch)
-        k = min(batch, 4) if explored and policy.choice == 0 else batch  # drafting requests
-        verified = last_k * last + (round(last_k * nodes) if last_lookup else 0)
-        t = cost(batch, verified, k * n)
-        policy.step_done(t, batch, 0, verified, k * n)
-        tokens += batch + last_k * extra + (round(last_k * gain) if last_lookup else 0)
+        k_req = min(batch, 4) if explored and policy.choice == 0 else batch  # drafting requests
+        grafts = [m for m in matches[:k_req] if policy.graft(m)]
+        verified = last_k * last + nodes * len(last_grafts)
+        t = cost(batch, verified, k_req * n)
+        policy.step_done(t, batch, 0, verified, k_req * n)
+        tokens += batch + last_k * extra + earned
         seconds += t
-        last, last_lookup, last_k = n, policy.use_lookup, k
-        plans.append((n, last_lookup))
-    return (tokens / seconds) / (batch / cost(batch, 0, 0)), plans
+        last, last_k, last_grafts = n, k_req, grafts
+        budgets.append(n)
+        grafted.append(len(grafts))
+    return (tokens / seconds) / (batch / cost(batch, 0, 0)), budgets, grafted
 
 
 def test_policy_grafts_lookup_where_it_pays_and_tries_it_rarely_elsewhere():
@@ -279,16 +294,20 @@ def test_policy_grafts_lookup_where_it_pays_and_tries_it_rarely_elsewhere():
     def cpu(dec, ver, dra):  # as in the test above: one head node pays at batch 1 only
         return 0.060 + 0.0075 * dec + 0.011 * ver + 0.0015 * dra
 
-    # batch 1, a repetitive reply: 3 lookup nodes earn 0.8 tokens; the best plan grafts them
-    speed, plans = simulate_lookup(cpu, 1, 400, lengths, gain=0.8)
-    assert plans[-100:].count((1, True)) >= 95 and speed > 1.3, (speed, plans[-20:])
+    # batch 1, a repetitive reply: 3 lookup nodes matched on 4 tokens earn 1.2 tokens
+    speed, budgets, grafted = simulate_lookup(cpu, 1, 400, lengths, {4: 1.2})
+    assert sum(grafted[-100:]) >= 95 and speed > 1.3, (speed, grafted[-20:])
     # fresh text: lookup earns nothing; it is tried now and then and left off
-    speed, plans = simulate_lookup(cpu, 1, 400, lengths, gain=0.0)
-    assert sum(lk for _, lk in plans[200:]) <= 2 and plans[-100:].count((1, False)) >= 95
+    speed, budgets, grafted = simulate_lookup(cpu, 1, 400, lengths, {1: 0.0})
+    assert sum(grafted[200:]) <= 3 and budgets[-100:].count(1) >= 95, grafted[200:]
     assert speed > 1.1, speed
-    # batch 32: rows cost more than lookup earns; neither is drafted but for rare tries
-    speed, plans = simulate_lookup(cpu, 32, 400, lengths, gain=0.8)
-    assert sum(n > 0 or lk for n, lk in plans[200:]) <= 4, plans[200:]
+    # two requests, one repeating itself (4 tokens matched: 3 nodes earn 1.8), one not (1):
+    # only the first grafts
+    speed, budgets, grafted = simulate_lookup(cpu, 2, 400, lengths, {4: 1.8, 1: 0.0})
+    assert grafted[-100:].count(1) >= 95, grafted[-100:]
+    # batch 32: rows cost more than lookup earns; nothing is grafted but for rare tries
+    speed, budgets, grafted = simulate_lookup(cpu, 32, 400, lengths, {4: 1.2})
+    assert sum(g > 0 for g in grafted[200:]) <= 3 and sum(budgets[200:]) <= 4, grafted[200:]
     assert speed > 0.97, speed
 
 

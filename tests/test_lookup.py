@@ -39,6 +39,14 @@ def test_longest_match_first_then_count_then_recency():
     idx2 = LookupIndex(min_n=1, max_n=3)
     idx2.extend([5, 6, 9, 5, 6, 9, 5, 6, 8, 1, 5, 6])  # '5 6' -> 9 twice, 8 once
     assert idx2.propose(budget=100, max_depth=1) == [[9], [8]]  # count beats recency
+    # the match length of the best proposal (what "auto" prices lookup by), 0 without one
+    assert idx.match_length() == 2 and idx2.match_length() == 2
+    idx3 = LookupIndex(min_n=1, max_n=4)
+    idx3.extend([1, 2, 3, 4, 5, 1, 2, 3, 4])
+    assert idx3.match_length() == 4 and idx3.propose(8)[0] == [5, 1, 2, 3, 4]
+    idx3.extend([6])  # '6' never occurred before
+    assert idx3.match_length() == 0 and idx3.propose(8) == []
+    assert LookupIndex().match_length() == 0
 
 
 def test_incremental_index_equals_whole_history_and_resyncs():
