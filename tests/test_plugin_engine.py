@@ -382,7 +382,7 @@ def test_greedy_outputs_identical_to_no_speculation(runs, name, prompts, target)
         assert res["spec"]["draft_tokens"] > res["spec"]["drafts"]
     if name == "auto":  # the budget chooser ran, measured drafting and said what it chose
         log = runs[name][1]
-        said = re.findall(r"treedraft auto: .* nodes each (\(lookup untried\)|[+a-z]+ lookup).*"
+        said = re.findall(r"treedraft auto: .* nodes each \(\+ lookup where it pays: ([^)]*)\).*"
                           r"step ~ ([\d.]+) ms .* (\d+) steps measured, "
                           r"(\d+) explored, (\d+) positions checked teacher-forced", log)
         assert said, log[-3000:]
