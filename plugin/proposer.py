@@ -163,9 +163,8 @@ class AutoBudget:
         self.explorations += explored
         now = time.monotonic()
         fitted = self.policy.model.knows_drafting and self.policy.model.fit() is not None
-        # the first choice from measured drafting cost is logged (at the first step that does
-        # not explore: lookup's tries made the one where the model first knew drafting an
-        # exploration, and the line was lost)
+        # the first choice from measured drafting cost is logged at the first step that does
+        # not explore (when the model first knew drafting at an exploration, the line was lost)
         first = fitted and not self._fitted
         if not explored and _tp_rank0() and (
                 first or ((batch, n) != self._logged and now - self._log_at > 10)):
