@@ -140,10 +140,15 @@ class StepCostModel:
             self._coef, self._fitted = None, False
 
     @property
+    def knows_verifying(self) -> bool:
+        """Whether steps that verified drafts were measured."""
+        return any(s[2] > 0 for s in self.drafting)
+
+    @property
     def knows_drafting(self) -> bool:
         """Whether steps that verified and steps that drafted were both measured."""
-        return (any(s[2] > 0 for s in self.drafting)
-                and (bool(self.draft_times) or any(s[3] > 0 for s in self.drafting)))
+        return self.knows_verifying and (bool(self.draft_times)
+                                         or any(s[3] > 0 for s in self.drafting))
 
     def draft_fit(self) -> tuple[float, float]:
         """(seconds per drafting request, seconds per drafted node) >= 0 from the timed drafting
@@ -214,6 +219,13 @@ class StepCostModel:
                 + (r * requests + dn * drafted if drafted else 0.0))
 
 
+def step_rate(model: StepCostModel, batch: int, lengths: dict[int, float], n: int) -> float:
+    """Expected tokens per second of a step where `batch` decoding requests each draft `n`
+    nodes (E(n) tokens per request from `lengths`)."""
+    return batch * lengths[n] / max(
+        model.predict(batch, 0, batch * n, batch * n, batch if n else 0), 1e-9)
+
+
 def best_budget(model: StepCostModel, batch: int, lengths: dict[int, float],
                 margin: float = 0.0, current: int | None = None, hysteresis: float = 0.0
                 ) -> int:
@@ -226,8 +238,7 @@ def best_budget(model: StepCostModel, batch: int, lengths: dict[int, float],
         return 0
 
     def rate(n: int) -> float:
-        return batch * lengths[n] / max(
-            model.predict(batch, 0, batch * n, batch * n, batch if n else 0), 1e-9)
+        return step_rate(model, batch, lengths, n)
 
     best = max(sorted(lengths), key=lambda n: (rate(n), -n))
     if current in lengths and (1.0 + hysteresis) * rate(current) >= rate(best):
@@ -354,14 +365,11 @@ class BudgetPolicy:
             self._choice, self.interval = n, self.EXPLORE_MIN
         self._since += 1
         self._bar = None
-        coef = self.model.fit()
         if self.lookup is not None:
             self.lookup.step()
-        if self.lookup is not None and coef is not None and any(
-                s[2] > 0 for s in self.model.drafting):  # verification measured
-            lengths = self.lengths()
-            seconds = self.model.predict(batch, 0, batch * n, batch * n, batch if n else 0)
-            self._bar = (coef[3], batch * lengths[n] / max(seconds, 1e-9))
+            coef = self.model.fit()
+            if coef is not None and self.model.knows_verifying:
+                self._bar = (coef[3], step_rate(self.model, batch, self.lengths(), n))
         up = [b for b in self.table if b > n]
         down = [b for b in self.table if b < n]
         if self._since < self.interval or not (up or down):
