@@ -303,6 +303,13 @@ class BudgetPolicy:
     what the last step's drafts earned, `step_done` with the step's counts and seconds."""
 
     EXPLORE_MIN, EXPLORE_MAX = 4, 256  # steps between explorations: doubles while choice holds
+    # requests an exploration up from drafting nothing drafts for (the engine picks those with
+    # the fewest pairs to catch up): at batch 32 all of them made ~1,000 pairs of catch-up
+    # commits in one step; 4 at batch 4, T=1 (where no budget pays on the AVX2 CPU) spent ~40 ms
+    # of catch-up per exploration, 15-21 explorations in 485 steps (session 18). One measures as
+    # well: the head's acceptance is checked teacher-forced on its catch-up, and what a drafting
+    # request and a verified row cost is fitted from every step that drafts
+    EXPLORE_REQUESTS = 1
     # drafting must promise this much over drafting nothing ("never slower" is the contract);
     # 0.10 kept the one pass at batch 1 on an AVX2 CPU (one node: +7 % predicted, +10 %
     # measured, session 12) out of reach, so 0.05 with exploration to correct the rest

@@ -71,10 +71,6 @@ logger = init_logger("vllm.treedraft")
 # estimate than the few steps it explores, at a bounded cost (32 checks of each of 32 requests
 # were ~100 ms per exploration at batch 32)
 TEACHER_CHECKS = 32
-# "tree": "auto": requests an exploration up from drafting nothing drafts for (the ones with the
-# fewest pairs to catch up): at batch 32 all of them made ~1,000 pairs of catch-up commits in
-# one step, where a few requests measure what drafting costs and earns just as well
-EXPLORE_REQUESTS = 4
 
 
 def target_weights(model, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,7 +153,7 @@ class AutoBudget:
 
     def choose(self, batch: int) -> tuple[int, int | None]:
         """(head node budget, how many of the `batch` requests draft: None for all; an
-        exploration from drafting nothing drafts for EXPLORE_REQUESTS of them); then
+        exploration from drafting nothing drafts for `BudgetPolicy.EXPLORE_REQUESTS` of them); then
         `policy.graft(match length)` per request: whether its lookup nodes are grafted."""
         n, explored = self.policy.choose(batch)
         self.explorations += explored
@@ -180,8 +176,8 @@ class AutoBudget:
                 *(1e3 * c for c in coef), len(self.policy.model.samples), self.explorations,
                 self.teacher_checks)
             self._logged, self._log_at = (batch, n), now
-        few = explored and self.policy.choice == 0 and batch > EXPLORE_REQUESTS
-        return n, (EXPLORE_REQUESTS if few else None)
+        few = self.policy.EXPLORE_REQUESTS
+        return n, (few if explored and self.policy.choice == 0 and batch > few else None)
 
     def _lookup_said(self) -> str:
         lookup = self.policy.lookup

@@ -559,12 +559,13 @@ def test_targets_trees_cannot_serve_are_refused_at_startup(override, message):
 
 def test_auto_explores_up_from_nothing_with_a_few_requests():
     from treedraft.heads.tree import parse_tree_spec
-    from treedraft.plugin.proposer import EXPLORE_REQUESTS, AutoBudget
+    from treedraft.plugin.proposer import AutoBudget
 
-    # before any step is measured "auto" drafts nothing and explores one node now and then:
-    # at batch 32 with a few requests only (each would catch up on all its pairs), at a batch
-    # no larger than that with all of them
-    for batch, few in ((32, EXPLORE_REQUESTS), (EXPLORE_REQUESTS, None)):
+    # before any step is measured "auto" drafts nothing and explores one node now and then,
+    # with one request (the one with the least to catch up: each catches up on all its pairs)
+    # at batch 32 and at batch 4 (4 requests spent ~40 ms of catch-up per exploration, session
+    # 18); at batch 1 with it
+    for batch, few in ((32, 1), (4, 1), (1, None)):
         auto = AutoBudget(parse_tree_spec("dynamic:10,3,3"))
         auto.set_rates(None)  # the default acceptance table: budgets 0, 1, 2, ...
         got = [auto.choose(batch) for _ in range(8)]
