@@ -306,7 +306,7 @@ class BudgetPolicy:
     # requests an exploration up from drafting nothing drafts for (the engine picks those with
     # the fewest pairs to catch up): at batch 32 all of them made ~1,000 pairs of catch-up
     # commits in one step; 4 at batch 4, T=1 (where no budget pays on the AVX2 CPU) spent ~40 ms
-    # of catch-up per exploration, 15-21 explorations in 485 steps (session 18). One measures as
+    # of catch-up per exploration, 14-22 explorations in 485 steps (session 18). One measures as
     # well: the head's acceptance is checked teacher-forced on its catch-up, and what a drafting
     # request and a verified row cost is fitted from every step that drafts
     EXPLORE_REQUESTS = 1
