@@ -385,6 +385,12 @@ class BudgetPolicy:
         self._up = not self._up if (up and down) else bool(up)
         return (min(up) if self._up else max(down)), True
 
+    def explorers(self, batch: int, explored: bool) -> int | None:
+        """How many of the `batch` requests draft in a step `choose` returned `explored` for:
+        EXPLORE_REQUESTS in an exploration up from drafting nothing, else None (all)."""
+        few = self.EXPLORE_REQUESTS
+        return few if explored and self._choice == 0 and batch > few else None
+
     def observe_lookup(self, match: int, nodes: int, tokens: int) -> None:
         """A request's grafted lookup proposal of match length `match` was verified: `nodes`
         lookup-only nodes, `tokens` of them accepted."""

@@ -176,8 +176,7 @@ class AutoBudget:
                 *(1e3 * c for c in coef), len(self.policy.model.samples), self.explorations,
                 self.teacher_checks)
             self._logged, self._log_at = (batch, n), now
-        few = self.policy.EXPLORE_REQUESTS
-        return n, (few if explored and self.policy.choice == 0 and batch > few else None)
+        return n, self.policy.explorers(batch, explored)
 
     def _lookup_said(self) -> str:
         lookup = self.policy.lookup

@@ -255,8 +255,8 @@ def simulate_lookup(cost, batch: int, steps: int, lengths, gains: dict[int, floa
     """`simulate` with lookup in the spec: request r's proposal has match length
     `list(gains)[r % len(gains)]` and, grafted, verifies a chain of `nodes` more rows and earns
     `gains[k]` more tokens in expectation; the head accepts what its table says;
-    an exploration from drafting nothing drafts for `BudgetPolicy.EXPLORE_REQUESTS` requests
-    only, as the engine's does. Returns (tokens/s against no speculation, budgets, grafts per step)."""
+    an exploration from drafting nothing drafts for `BudgetPolicy.explorers` requests only,
+    as the engine's does. Returns (tokens/s against no speculation, budgets, grafts per step)."""
     noise = random.Random(0)
     policy = BudgetPolicy(lengths, lookup=True)
     for pre in (40, 120, 80):
@@ -275,8 +275,7 @@ def simulate_lookup(cost, batch: int, steps: int, lengths, gains: dict[int, floa
             policy.observe_lookup(k, nodes, won)
             earned += won
         n, explored = policy.choose(batch)
-        few = BudgetPolicy.EXPLORE_REQUESTS
-        k_req = min(batch, few) if explored and policy.choice == 0 else batch  # drafting requests
+        k_req = policy.explorers(batch, explored) or batch  # drafting requests
         grafts = [m for m in matches[:k_req] if policy.graft(m)]
         verified = last_k * last + nodes * len(last_grafts)
         t = cost(batch, verified, k_req * n)
