@@ -43,6 +43,13 @@ grafts a request's lookup nodes when their extra tokens per second beat the step
 prior, so a match length left out is grafted again after a while and measured anew: what
 lookup earns changes within a reply, and an estimate that is never refreshed stays wrong.
 
+What a head and a lookup earn depends on the request's temperature: a greedy request accepts a
+draft when it is the target's argmax, a sampled one with the target's probability of it (at
+T=1 the head accepted x0.55-0.62 of what it did at T=0, session 18). Both estimates are kept
+per temperature class (`GREEDY`, `SAMPLED`), so that a server with both kinds of requests, or
+a benchmark that runs T=0 and then T=1 in one engine, does not price one class's drafts with
+the other's acceptance; a step mixing them expects the mix of its requests.
+
 `BudgetPolicy` is the whole policy: it drafts nothing until the model has seen what drafting
 costs, and then only where drafting promises more than `MARGIN` over drafting nothing; it
 explores one budget up (and down) at an interval that doubles while the choice holds, so
@@ -246,18 +253,26 @@ def best_budget(model: StepCostModel, batch: int, lengths: dict[int, float],
     return best if rate(best) > (1.0 + margin) * rate(0) else 0
 
 
+GREEDY, SAMPLED = 0, 1  # temperature classes of requests: estimates are kept per class
+
+
 class LookupValue:
     """What grafted prompt-lookup nodes earn, per match length k of the request's proposal:
     sums over grafts of extra tokens accepted on lookup-only nodes and of lookup-only nodes
     verified, decayed every step (`step`), over an optimistic prior (PRIOR_WEIGHT grafts of
-    `prior_nodes` nodes earning PRIOR tokens each) that never decays: a match length that is
+    `prior_nodes` nodes earning `prior` tokens each) that never decays: a match length that is
     no longer grafted drifts back to the prior and is grafted again, so what it earns is
     measured again (a reply that starts repeating itself, a batch that shrank)."""
 
     PRIOR, PRIOR_WEIGHT = 0.5, 0.25
+    # sampled requests: a lookup token is accepted with the target's probability of it, not
+    # whenever it is the argmax; a lower prior re-tries a match length that earned nothing
+    # less eagerly
+    PRIOR_SAMPLED = 0.25
 
-    def __init__(self, decay: float = 0.99, prior_nodes: float = 4.0) -> None:
-        self.decay, self.prior_nodes = decay, prior_nodes
+    def __init__(self, decay: float = 0.99, prior_nodes: float = 4.0,
+                 prior: float = PRIOR) -> None:
+        self.decay, self.prior_nodes, self.prior = decay, prior_nodes, prior
         self._sums: dict[int, list[float]] = {}  # k -> [grafts, nodes, tokens] measured
 
     def add(self, match: int, nodes: int, tokens: int) -> None:
@@ -272,7 +287,7 @@ class LookupValue:
         """(extra tokens, lookup-only nodes) per graft at match length `match`."""
         g, n, t = self._sums.get(match, (0.0, 0.0, 0.0))
         w = self.PRIOR_WEIGHT
-        return (t + w * self.PRIOR * self.prior_nodes) / (g + w), (n + w * self.prior_nodes) / (g + w)
+        return (t + w * self.prior * self.prior_nodes) / (g + w), (n + w * self.prior_nodes) / (g + w)
 
     def said(self) -> str:
         return ", ".join(f"k={k} {self.value(k)[0]:.2f} tokens/{self.value(k)[1]:.1f} nodes"
@@ -326,8 +341,12 @@ class BudgetPolicy:
     def __init__(self, lengths: dict[int, float], lookup: bool = False) -> None:
         self.table = dict(lengths)  # E(n) of the head's rate table
         self.model = StepCostModel()
-        self.acceptance = Acceptance()
-        self.lookup = LookupValue() if lookup else None  # None: the spec grafts no lookup
+        # per temperature class (GREEDY, SAMPLED): the head's acceptance against its table and
+        # what lookup grafts earn; None: the spec grafts no lookup
+        self.acceptance = (Acceptance(), Acceptance())
+        self.lookup = (LookupValue(), LookupValue(prior=LookupValue.PRIOR_SAMPLED)
+                       ) if lookup else None
+        self._sampled = 0.0  # the share of sampled requests in the step planned last
         self.interval = self.EXPLORE_MIN
         self._since = 0  # steps since the last exploration
         self._up = False  # the last exploration went up (they alternate where both exist)
@@ -340,40 +359,52 @@ class BudgetPolicy:
         """The budget the model chose last (what `choose` returns when it does not explore)."""
         return self._choice
 
-    def graft(self, match: int) -> bool:
+    def graft(self, match: int, sampled: bool = False) -> bool:
         """Whether a request of the step `choose` planned last grafts its lookup proposal, whose
         match length is `match` (0: it has none): where the lookup nodes' extra tokens per
-        second beat the step's own (module docstring)."""
+        second beat the step's own (module docstring); `sampled`: the request samples (T > 0)."""
         if self.lookup is None or match <= 0 or self._bar is None:
             return False
         c, rate = self._bar
-        g, nodes = self.lookup.value(match)
+        g, nodes = self.lookup[sampled].value(match)
         bar = nodes * c * rate
-        if g > (1.0 - self.LOOKUP_HYSTERESIS if match in self._grafting else
+        key = (bool(sampled), match)
+        if g > (1.0 - self.LOOKUP_HYSTERESIS if key in self._grafting else
                 1.0 + self.MARGIN) * bar:
-            self._grafting.add(match)
+            self._grafting.add(key)
             return True
-        self._grafting.discard(match)
+        self._grafting.discard(key)
         return False
 
-    def lengths(self) -> dict[int, float]:
-        k = self.acceptance.kappa
+    def kappa(self, sampled: float | None = None) -> float:
+        """The head's acceptance against its table for a step whose share of sampled requests is
+        `sampled` (default: the step planned last)."""
+        s = self._sampled if sampled is None else sampled
+        return (1.0 - s) * self.acceptance[GREEDY].kappa + s * self.acceptance[SAMPLED].kappa
+
+    def lengths(self, sampled: float | None = None) -> dict[int, float]:
+        """E(n) per request of a step whose share of sampled requests is `sampled` (default:
+        the step planned last)."""
+        k = self.kappa(sampled)
         return {n: 1.0 + k * (e - 1.0) for n, e in self.table.items()}
 
     def best(self, batch: int) -> int:
         return best_budget(self.model, batch, self.lengths(), self.MARGIN, self._choice,
                            self.HYSTERESIS)
 
-    def choose(self, batch: int) -> tuple[int, bool]:
-        """(budget, explored) for a step with `batch` drafting requests; then `graft` says, per
-        request, whether its lookup nodes are grafted."""
+    def choose(self, batch: int, sampled: int = 0) -> tuple[int, bool]:
+        """(budget, explored) for a step with `batch` drafting requests, `sampled` of them
+        sampling (T > 0); then `graft` says, per request, whether its lookup nodes are
+        grafted."""
+        self._sampled = min(max(sampled, 0), batch) / batch if batch > 0 else 0.0
         n = self.best(batch)
         if n != self._choice:  # a new answer: check it again soon
             self._choice, self.interval = n, self.EXPLORE_MIN
         self._since += 1
         self._bar = None
         if self.lookup is not None:
-            self.lookup.step()
+            for value in self.lookup:
+                value.step()
             coef = self.model.fit()
             if coef is not None and self.model.knows_verifying:
                 self._bar = (coef[3], step_rate(self.model, batch, self.lengths(), n))
@@ -391,14 +422,19 @@ class BudgetPolicy:
         few = self.EXPLORE_REQUESTS
         return few if explored and self._choice == 0 and batch > few else None
 
-    def observe_lookup(self, match: int, nodes: int, tokens: int) -> None:
+    def observe_lookup(self, match: int, nodes: int, tokens: int, sampled: bool = False
+                       ) -> None:
         """A request's grafted lookup proposal of match length `match` was verified: `nodes`
-        lookup-only nodes, `tokens` of them accepted."""
+        lookup-only nodes, `tokens` of them accepted; `sampled`: the request samples."""
         if self.lookup is not None:
-            self.lookup.add(match, nodes, tokens)
+            self.lookup[sampled].add(match, nodes, tokens)
 
-    def observe(self, expected_extra: float, observed_extra: float) -> None:
-        self.acceptance.add(expected_extra, observed_extra)
+    def observe(self, expected_extra: float, observed_extra: float, sampled: bool = False
+                ) -> None:
+        """Drafts of requests of one class (`sampled`: T > 0) were verified: the head's table
+        expected `expected_extra` tokens beyond the one a step always gives, they got
+        `observed_extra`."""
+        self.acceptance[sampled].add(expected_extra, observed_extra)
 
     def step_done(self, seconds: float, decode: int, prefill: int, verified: int,
                   drafted: int, drafting_seconds: float | None = None, requests: int = 0

@@ -103,6 +103,7 @@ class AutoBudget:
         self._drafted: dict[str, int] = {}  # req_id -> head nodes drafted for it last step
         # req_id -> (match length, lookup-only nodes) of the lookup it grafted last step
         self._grafted: dict[str, tuple[int, int]] = {}
+        self._sampling: set[str] = set()  # requests of last step that sample (T > 0)
         self._logged: tuple[int, int] | None = None
         self._log_at = 0.0
         self._fitted = False
@@ -123,21 +124,22 @@ class AutoBudget:
         accepted / sources (tree mode): the accepted node ids and the HEAD/LOOKUP bits of the
         trees verified this step, which split what the head earned from what lookup did."""
         table = self.policy.table
-        expected = observed = 0.0
+        expected, observed = [0.0, 0.0], [0.0, 0.0]  # per temperature class: greedy, sampled
         for req_id in {*self._drafted, *self._grafted}:
             if sampled.get(req_id, 0) < 1:
                 continue
-            got = sampled[req_id] - 1
+            got, cls = sampled[req_id] - 1, req_id in self._sampling
             path, src = (accepted or {}).get(req_id), (sources or {}).get(req_id)
             looked = (sum(1 for a in path if int(src[a]) == LOOKUP)
                       if path is not None and src is not None else 0)
             if n := self._drafted.get(req_id, 0):
-                expected += table[max(b for b in table if b <= n)] - 1.0
-                observed += got - looked
+                expected[cls] += table[max(b for b in table if b <= n)] - 1.0
+                observed[cls] += got - looked
             if req_id in self._grafted:
                 match, nodes = self._grafted[req_id]
-                self.policy.observe_lookup(match, nodes, looked)
-        self.policy.observe(expected, observed)
+                self.policy.observe_lookup(match, nodes, looked, sampled=cls)
+        for cls in (False, True):
+            self.policy.observe(expected[cls], observed[cls], sampled=cls)
 
     @property
     def drafted(self) -> dict[str, int]:
@@ -145,17 +147,20 @@ class AutoBudget:
         return self._drafted
 
     def observe_teacher(self, hits: int, checked: int) -> None:
-        """`checked` positions where the head's first draft, teacher-forced, would have been the
-        target's token `hits` times: observed as that many one-node drafts."""
+        """`checked` positions of greedy requests where the head's first draft, teacher-forced,
+        would have been the target's token `hits` times: observed as that many one-node drafts
+        (a sampled request accepts a draft with the target's probability of it, which an argmax
+        hit does not measure: its class learns from its verified drafts only)."""
         if checked and 1 in self.policy.table:
             self.policy.observe(checked * (self.policy.table[1] - 1.0), float(hits))
             self.teacher_checks += checked
 
-    def choose(self, batch: int) -> tuple[int, int | None]:
+    def choose(self, batch: int, sampled: int = 0) -> tuple[int, int | None]:
         """(head node budget, how many of the `batch` requests draft: None for all; an
-        exploration from drafting nothing drafts for `BudgetPolicy.EXPLORE_REQUESTS` of them); then
-        `policy.graft(match length)` per request: whether its lookup nodes are grafted."""
-        n, explored = self.policy.choose(batch)
+        exploration from drafting nothing drafts for `BudgetPolicy.EXPLORE_REQUESTS` of them),
+        `sampled` of the requests sampling (T > 0); then `policy.graft(match length, sampled)`
+        per request: whether its lookup nodes are grafted."""
+        n, explored = self.policy.choose(batch, sampled)
         self.explorations += explored
         now = time.monotonic()
         fitted = self.policy.model.knows_drafting and self.policy.model.fit() is not None
@@ -167,12 +172,13 @@ class AutoBudget:
             self._fitted |= fitted
             coef = self.policy.model.fit() or (0.0,) * 5
             logger.info(
-                "treedraft auto: %d drafting requests -> %d nodes each%s (expected %.2f tokens "
-                "per request-step, acceptance x%.2f of the head's table; step ~ %.1f ms + %.2f "
+                "treedraft auto: %d drafting requests (%d sampling) -> %d nodes each%s (expected "
+                "%.2f tokens per request-step, acceptance x%.2f of the head's table (greedy "
+                "x%.2f, sampled x%.2f); step ~ %.1f ms + %.2f "
                 "ms/decode row + %.2f ms/prefill row + %.2f ms/verified draft + %.2f ms/drafted "
                 "node; %d steps measured, %d explored, %d positions checked teacher-forced)",
-                batch, n, self._lookup_said(), self.policy.lengths()[n],
-                self.policy.acceptance.kappa,
+                batch, sampled, n, self._lookup_said(), self.policy.lengths()[n],
+                self.policy.kappa(), *(a.kappa for a in self.policy.acceptance),
                 *(1e3 * c for c in coef), len(self.policy.model.samples), self.explorations,
                 self.teacher_checks)
             self._logged, self._log_at = (batch, n), now
@@ -180,7 +186,8 @@ class AutoBudget:
 
     def _lookup_said(self) -> str:
         lookup = self.policy.lookup
-        return "" if lookup is None else f" (+ lookup where it pays: {lookup.said()})"
+        return "" if lookup is None else (
+            f" (+ lookup where it pays: greedy {lookup[0].said()}; sampled {lookup[1].said()})")
 
     def step_started(self) -> None:
         now = time.perf_counter()
@@ -190,8 +197,8 @@ class AutoBudget:
 
     def step_done(self, scheduler_output, drafted: dict[str, int], catch_up: float = 0.0,
                   drafting: float | None = None,
-                  grafted: dict[str, tuple[int, int]] | None = None
-                  ) -> None:
+                  grafted: dict[str, tuple[int, int]] | None = None,
+                  sampling: set[str] | None = None) -> None:
         """The step that ends now: the worker's time since `step_started` plus the median gap
         between steps (idle time between requests never counts), less `catch_up` (seconds its
         head commits spent on pairs of earlier steps: the lazy commits a request's first drafting
@@ -199,7 +206,8 @@ class AutoBudget:
         step they would price drafting at many times its steady cost), its rows by kind, and
         the head nodes drafted per request; `drafting`: the seconds of this step's drafting phase
         (catch-up excluded), fitted on their own (heads/cost.py); `grafted`: requests that
-        grafted lookup this step -> (match length, lookup-only nodes)."""
+        grafted lookup this step -> (match length, lookup-only nodes); `sampling`: the requests
+        of this step that sample (T > 0)."""
         now = time.perf_counter()
         spec = scheduler_output.scheduled_spec_decode_tokens
         decode = prefill = verified = 0
@@ -217,6 +225,7 @@ class AutoBudget:
                                   len(drafted))
         self._start, self._last_end = None, now
         self._drafted, self._grafted = drafted, grafted or {}
+        self._sampling = sampling or set()
 
 
 def _tp_rank0() -> bool:
@@ -394,14 +403,17 @@ class TreeDraftProposer:
             self.auto.observe({req_id: len(sampled) for _, req_id, sampled, _ in work},
                               accepted, self.sources)
         grafts: dict[str, int] = {}  # auto: req_id -> match length of the lookup it grafts
+        sampling: set[str] = set()  # auto: the eligible requests that sample (T > 0)
         if self.auto is not None and eligible and budget:
-            n, few = self.auto.choose(len(eligible))
+            sampling = {req_id for _, req_id, *_ in eligible
+                        if self._sampled_params(runner, req_id) is not None}
+            n, few = self.auto.choose(len(eligible), len(sampling))
             if few is not None:  # explore with the requests that have the least to catch up
                 eligible = sorted(eligible, key=lambda e: len(self.pending[e[1]]))[:few]
             if self.spec.lookup:  # per request: graft its lookup proposal where that pays
                 for i, req_id, _, _ in eligible:
                     match = self._lookup_index(ib, i, req_id).match_length()
-                    if self.auto.policy.graft(match):
+                    if self.auto.policy.graft(match, req_id in sampling):
                         grafts[req_id] = match
                 if not n:  # lookup alone: only the requests that graft draft
                     eligible = [e for e in eligible if e[1] in grafts]
@@ -434,6 +446,7 @@ class TreeDraftProposer:
             # of a short request's first catch-up (acceptance estimated at x0.54-0.78 of the
             # head's table where chain=1 accepted x~1)
             need = [self.auto is not None and req_id not in self.auto.drafted and g > 0
+                    and self._sampled_params(runner, req_id) is None  # greedy (observe_teacher)
                     for (req_id, _), g in zip(flushed, generated, strict=True)]
             share = max(1, TEACHER_CHECKS // max(sum(need), 1))  # ~TEACHER_CHECKS rows a step
             check = [min(share, g) if k else 0 for k, g in zip(need, generated, strict=True)]
@@ -490,7 +503,7 @@ class TreeDraftProposer:
                 if req_id in grafts:
                     grafted[req_id] = (grafts[req_id], len(d) - head)
             self.auto.step_done(scheduler_output, heads, catch_up,
-                                time.perf_counter() - t_drafting - catch_up, grafted)
+                                time.perf_counter() - t_drafting - catch_up, grafted, sampling)
         self.last_draft_probs = self._draft_probs(runner, drafts, probs) if probs else None
         if probs:
             logger.info_once(

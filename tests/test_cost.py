@@ -250,6 +250,33 @@ def test_lookup_is_grafted_per_request_where_it_pays():
     assert not BudgetPolicy(lengths).graft(4)  # lookup not in the spec
 
 
+def test_greedy_and_sampled_requests_keep_their_own_estimates():
+    """What the head and lookup earn is estimated per temperature class: a greedy phase that
+    accepted well (and grafted lookup that paid) does not make the sampled requests that follow
+    draft or graft; a step mixing both expects the mix of its requests."""
+    lengths = expected_lengths(RATES, 16, chain=False)
+    policy = BudgetPolicy(lengths, lookup=True)
+    policy.model = fitted(0.030, 0.0004, 0.0008, 0.0002)  # drafting is cheap: acceptance decides
+    for _ in range(100):  # greedy: the head's table holds; sampled: a tenth of it
+        policy.observe(lengths[4] - 1.0, lengths[4] - 1.0)
+        policy.observe(lengths[4] - 1.0, 0.1 * (lengths[4] - 1.0), sampled=True)
+        policy.observe_lookup(4, 3, 2)  # greedy: 3 lookup nodes matched on 4 tokens earn 2
+        policy.observe_lookup(4, 3, 0, sampled=True)  # sampled: nothing
+    assert policy.kappa(0.0) == pytest.approx(1.0, abs=0.05)
+    assert policy.kappa(1.0) == pytest.approx(0.1, abs=0.05)
+    assert policy.kappa(0.5) == pytest.approx(0.55, abs=0.05)
+    greedy = best_budget(policy.model, 8, policy.lengths(0.0), policy.MARGIN)
+    sampled = best_budget(policy.model, 8, policy.lengths(1.0), policy.MARGIN)
+    assert greedy > sampled, (greedy, sampled)
+    assert policy.choose(8, sampled=0)[0] == greedy
+    assert policy.graft(4) and not policy.graft(4, sampled=True)
+    assert policy.choose(8, sampled=8)[0] == sampled
+    assert policy.graft(4) and not policy.graft(4, sampled=True)
+    # a fresh policy's sampled class starts from a lower lookup prior than its greedy class
+    fresh = BudgetPolicy(lengths, lookup=True)
+    assert fresh.lookup[1].value(3)[0] < fresh.lookup[0].value(3)[0]
+
+
 def simulate_lookup(cost, batch: int, steps: int, lengths, gains: dict[int, float],
                     nodes: int = 3) -> tuple[float, list[int], list[int]]:
     """`simulate` with lookup in the spec: request r's proposal has match length

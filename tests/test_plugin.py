@@ -571,3 +571,31 @@ def test_auto_explores_up_from_nothing_with_a_few_requests():
         got = [auto.choose(batch) for _ in range(8)]
         assert got.count((0, None)) >= 6 and got.count((1, few)) >= 1, got
         assert set(got) == {(0, None), (1, few)}, got
+
+
+def test_auto_observes_greedy_and_sampled_requests_apart():
+    """What the drafts of last step earned goes to the temperature class of their request: a
+    sampled request that accepted nothing lowers the sampled acceptance only, a greedy one that
+    accepted all the table promised keeps the greedy one; lookup grafts likewise."""
+    from types import SimpleNamespace
+
+    from treedraft.heads.tree import parse_tree_spec
+    from treedraft.plugin.proposer import AutoBudget
+
+    auto = AutoBudget(parse_tree_spec("dynamic:10,3,3+lookup:4"))
+    auto.set_rates(None)
+    table = auto.policy.table
+    step = SimpleNamespace(num_scheduled_tokens={"g": 3, "s": 3},  # what vLLM's scheduler says
+                           scheduled_spec_decode_tokens={"g": [1, 2], "s": [1, 2]})
+    for _ in range(50):
+        auto.choose(2, sampled=1)
+        auto.step_started()
+        auto.step_done(step, {"g": 2, "s": 2}, grafted={"g": (4, 2), "s": (4, 2)},
+                       sampling={"s"})
+        # g: both head drafts accepted (what a 2-node table promises, and more); s: nothing
+        auto.observe({"g": 3, "s": 1})
+    greedy, sampled = (a.kappa for a in auto.policy.acceptance)
+    assert greedy >= (2.0 / (table[2] - 1.0)) * 0.9 and sampled < 0.1, (greedy, sampled)
+    assert auto.policy.kappa(0.5) == pytest.approx((greedy + sampled) / 2)
+    # no lookup node was accepted (no accepted paths given): both classes measured grafts
+    assert all(v._sums[4][0] > 10 for v in auto.policy.lookup)
