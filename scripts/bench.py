@@ -7,6 +7,7 @@ rejection sampler) and treedraft trees, side by side in one invocation.
     treedraft bench --stride 10 --limit 8 --batch-sizes 1 --config no-spec --config chain=1
     treedraft bench --target HF_FOLDER --head HEAD_DIR --config 'tree=dynamic:16,4,4'
     treedraft bench --profile ...    # + where each engine step's time goes (OUT/profile.md)
+    treedraft bench --continuous ... # a queue instead of waves (continuous batching)
     treedraft bench --prompts mtbench,humaneval --by-category ...   # τ per MT-bench category
 
 Each configuration runs in its own engine process (scripts/engine.py) over MT-bench first turns,
@@ -23,6 +24,14 @@ target pass, `target_passes`), which unlike vLLM's mean acceptance length counts
 prompt lookup drafted nothing. Several prompt sets (`mtbench,humaneval`) give one row per set;
 `by_category` one per MT-bench category plus each set's total (`totals`) and a table of
 tokens per pass by category in OUT/bench.md.
+
+`--continuous`: instead of waves, every prompt of a job is queued and at most `batch size` of
+them run at once, the next starting as soon as one finishes (what a server with a queue does:
+vLLM's continuous batching). Waves end with their slowest request, so a configuration that
+finishes some requests early (lookup on a repetitive reply) gains nothing there until the
+wave ends, while a queue refills the batch at once; `auto` maximises tokens per second of the
+running batch, what a queue measures. TPOT is then each request's seconds from submission to
+its last token over its tokens, averaged.
 
 `--rounds N`: the configurations run N times, in alternating order (A B C, C B A, A B C, ...),
 so that a machine whose speed drifts over minutes (a shared CPU: two no-spec engines run
@@ -110,9 +119,10 @@ def speculative_config(config: str, head: str) -> dict | None:
 
 
 def _jobs(groups: dict[str, list[list[int]]], batch_sizes, temperatures,
-          max_new_tokens: int, fill: bool = True) -> list[dict]:
+          max_new_tokens: int, fill: bool = True, continuous: bool = False) -> list[dict]:
     """One job per temperature, batch size and prompt group (named `T{t}-bs{bs}`, plus
-    `-{group}` when there are several groups). fill: cycle the prompts to fill a wave."""
+    `-{group}` when there are several groups). fill: cycle the prompts to fill a wave;
+    continuous: the engine queues the prompts, at most the batch size running (no waves)."""
     jobs = []
     for t in temperatures:
         for bs in batch_sizes:
@@ -122,7 +132,8 @@ def _jobs(groups: dict[str, list[list[int]]], batch_sizes, temperatures,
                 name = f"T{t}-bs{bs}" + (f"-{group}" if len(groups) > 1 else "")
                 jobs.append({"name": name, "group": group, "prompts": wave, "batch_size": bs,
                              "params": {"temperature": t, "max_tokens": max_new_tokens,
-                                        "ignore_eos": True}})
+                                        "ignore_eos": True},
+                             **({"continuous": True} if continuous else {})})
     return jobs
 
 
@@ -148,6 +159,13 @@ def _row(config: str, job: dict, res: dict) -> dict:
     seconds = sum(res["wave_seconds"])
     bs = job["batch_size"]
     longest = [max(len(t) for t in res["tokens"][i : i + bs]) for i in range(0, len(res["tokens"]), bs)]
+    if "request_seconds" in res:  # continuous: per request, submission to last token
+        per_token = [s / max(len(t), 1) for s, t in zip(res["request_seconds"], res["tokens"],
+                                                          strict=True)]
+        tpot = 1000 * sum(per_token) / len(per_token)
+    else:  # waves: a wave's time over its longest output
+        tpot = 1000 * sum(w / n for w, n in zip(res["wave_seconds"], longest, strict=True)
+                          ) / len(longest)
     spec = res["spec"]
     steps = spec["drafts"]
     return {
@@ -155,8 +173,7 @@ def _row(config: str, job: dict, res: dict) -> dict:
         "largest_wave": min(bs, len(res["tokens"])),  # < batch_size: a small prompt group
         "temperature": job["params"]["temperature"],
         "tokens": total, "seconds": seconds, "tokens_per_s": total / seconds,
-        "tpot_ms": 1000 * sum(w / n for w, n in zip(res["wave_seconds"], longest, strict=True))
-        / len(longest),
+        "tpot_ms": tpot,
         "mean_acceptance_length": spec["mean_acceptance_length"],
         "passes": (passes := target_passes(total, spec["accepted"], steps, len(res["tokens"]))),
         "tau_per_pass": total / passes,
@@ -427,7 +444,7 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
           out: str | Path = "runs/bench", dtype: str = "auto",
           enforce_eager: bool | None = None, stride: int | None = None,
           preset: str = "quick", profile: bool = False, by_category: bool = False,
-          rounds: int = 1) -> list[dict]:
+          rounds: int = 1, continuous: bool = False) -> list[dict]:
     from transformers import AutoTokenizer
 
     from treedraft.plugin.profile import PROFILE_ENV
@@ -467,13 +484,14 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
     n_prompts = sum(map(len, groups.values()))
     # groups: every prompt once per wave (cycling prompts to fill a wave would weight some twice)
     jobs = _jobs(groups, o["batch_sizes"], o["temperatures"], o["max_new_tokens"],
-                 fill=len(groups) == 1)
+                 fill=len(groups) == 1, continuous=continuous)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     print(f"[bench] {machine}\n[bench] vLLM dtype {vllm_dtype} (--dtype {dtype}), "
           f"{'eager' if o['enforce_eager'] else 'torch.compile'}; {n_prompts} {prompts} prompts "
           f"({len(groups)} groups: {', '.join(groups)}) x "
-          f"{o['max_new_tokens']} tokens, batch sizes {list(o['batch_sizes'])}, T "
+          f"{o['max_new_tokens']} tokens, batch sizes {list(o['batch_sizes'])} "
+          f"({'a queue, continuous batching' if continuous else 'waves'}), T "
           f"{list(o['temperatures'])}; {len(configs)} configurations: {', '.join(configs)}"
           + (f"; {rounds} rounds in alternating order" if rounds > 1 else ""), flush=True)
     names = [c if rounds == 1 else f"{c} (round {r + 1})" for r, c in runs]
@@ -497,7 +515,7 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
             "max_new_tokens": o["max_new_tokens"], "baseline": configs[0],
             "dtype": vllm_dtype, "dtype_requested": dtype, "enforce_eager": o["enforce_eager"],
             "machine": machine, "seconds": sum(progress.finished), "profile": profile,
-            "rounds": rounds}
+            "rounds": rounds, "continuous": continuous}
     (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     table = markdown(rows)
     if len(groups) > 1:

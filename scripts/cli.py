@@ -194,6 +194,10 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
                    help="run the configurations N times in alternating order (A B C, C B A, "
                         "...) and report medians and the range of the per-round speedups "
                         "(a shared machine's speed drifts over minutes)")
+    p.add_argument("--continuous", action="store_true",
+                   help="queue each job's prompts with at most the batch size running, the next "
+                        "starting as one finishes (a server's continuous batching), instead of "
+                        "waves that last as long as their slowest request")
     p.add_argument("--profile", action="store_true",
                    help="also time each engine step's phases (target forward, tree attention, "
                         "verification, KV compaction, drafting, the rest): OUT/profile.md")
@@ -213,7 +217,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
           args.batch_sizes, args.temperatures, tuple(args.config) if args.config else None,
           args.out, dtype=args.dtype, enforce_eager=args.enforce_eager, stride=args.stride,
           preset="full" if args.full else "quick", profile=args.profile,
-          by_category=args.by_category, rounds=args.rounds)
+          by_category=args.by_category, rounds=args.rounds, continuous=args.continuous)
 
 
 def _train_args(p: argparse.ArgumentParser) -> None:

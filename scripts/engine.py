@@ -5,7 +5,9 @@ own `python -m treedraft.scripts.engine REQUEST.json` process. A request names t
 `speculative_config` (None = no speculation), extra `LLM(...)` arguments and a list of jobs:
 
     {"name": str, "prompts": [[token ids], ...], "params": {vllm SamplingParams kwargs},
-     "batch_size": int | None}    # None: all prompts at once; else waves of batch_size
+     "batch_size": int | None,    # None: all prompts at once; else waves of batch_size
+     "continuous": bool}          # optional: at most batch_size requests run, a new one
+                                  # starts as one finishes (a queued server), no waves
 
 `params` may also be a list with one dict per prompt (a batch of mixed request shapes).
 
@@ -17,7 +19,9 @@ logprobs (per output, the sampled tokens' logprobs; null where the request asked
 every position's returned [token, logprob] pairs largest first (`top_logprobs`: with
 `logprobs: k`, the top k and the sampled token's; raw logits under `logprobs_mode:
 raw_logits`), the
-finish reasons, the wall time of each wave and the change of vLLM's spec-decode counters during the job
+finish reasons, the wall time of each wave (continuous: one for the whole job, and each
+request's seconds from its submission to its last token, `request_seconds`) and the change of
+vLLM's spec-decode counters during the job
 (and, when `TREEDRAFT_PROFILE` is in the engine's environment, the change of the worker's step
 profile: seconds per phase, steps, scheduled tokens; plugin/profile.py). While it
 runs it prints ``TREEDRAFT_PROGRESS {...}`` lines (engine ready; after each wave: job, tokens),
@@ -164,10 +168,16 @@ def _run_job(llm, job: dict) -> dict:
     prof = os.environ.get(profile.PROFILE_ENV)  # the worker's step profile (plugin/profile.py)
     prof_before = profile.read(prof)
     tokens, logprobs, top, finish, waves = [], [], [], [], []
-    for i in range(0, len(prompts), bs):
+    continuous = bool(job.get("continuous"))
+    if continuous:
         t = time.perf_counter()
-        outs = llm.generate(prompts[i : i + bs], params[i : i + bs], use_tqdm=False)
+        outs, request_seconds = _continuous(llm, prompts, params, bs, job["name"])
         waves.append(time.perf_counter() - t)
+    for i in range(0, len(prompts), len(prompts) if continuous else bs):
+        if not continuous:
+            t = time.perf_counter()
+            outs = llm.generate(prompts[i : i + bs], params[i : i + bs], use_tqdm=False)
+            waves.append(time.perf_counter() - t)
         new = [c for o in outs for c in o.outputs]
         tokens += [list(c.token_ids) for c in new]
         logprobs += [None if c.logprobs is None else
@@ -183,12 +193,46 @@ def _run_job(llm, job: dict) -> dict:
                  for lp in c.logprobs]
                 for c in new]
         finish += [c.finish_reason for c in new]
-        _report({"job": job["name"], "tokens": sum(len(c.token_ids) for c in new)})
+        if not continuous:  # (continuous: reported per request as they finish)
+            _report({"job": job["name"], "tokens": sum(len(c.token_ids) for c in new)})
     out = {"tokens": tokens, "logprobs": logprobs, "top_logprobs": top, "finish_reasons": finish,
            "wave_seconds": waves, "spec": counter_delta(before, spec_counters(llm))}
+    if continuous:
+        out["request_seconds"] = request_seconds
     if prof:
         out["profile"] = profile.delta(prof_before, profile.read(prof))
     return out
+
+
+def _continuous(llm, prompts: list, params: list, bs: int, name: str
+                ) -> tuple[list, list[float]]:
+    """Generate with at most `bs` requests in the engine, submitting the next prompt as soon
+    as one finishes (what a server with a queue and continuous batching does): the outputs in
+    prompt order and each request's seconds from its submission to its end."""
+    from vllm.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    if engine.has_unfinished_requests():
+        raise RuntimeError("continuous job: the engine still runs requests of an earlier job")
+    ids = [f"{name}-{i}" for i in range(len(prompts))]
+    where = {rid: i for i, rid in enumerate(ids)}
+    outs: list = [None] * len(prompts)
+    started: dict[str, float] = {}
+    seconds = [0.0] * len(prompts)
+    nxt = running = 0
+    while nxt < len(prompts) or running:
+        while nxt < len(prompts) and running < bs:
+            params[nxt].output_kind = RequestOutputKind.FINAL_ONLY  # as LLM.generate does
+            started[ids[nxt]] = time.perf_counter()
+            where[engine.add_request(ids[nxt], prompts[nxt], params[nxt])] = nxt  # vLLM's id
+            nxt, running = nxt + 1, running + 1
+        for o in engine.step():
+            if o.finished:
+                i = where[o.request_id]
+                outs[i], seconds[i] = o, time.perf_counter() - started[ids[i]]
+                running -= 1
+                _report({"job": name, "tokens": sum(len(c.token_ids) for c in o.outputs)})
+    return outs, seconds
 
 
 def _main(path: str) -> None:

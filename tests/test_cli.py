@@ -173,6 +173,22 @@ def test_bench_configs_rows_and_table():
     assert "| chain=3 | 0 | 2 | 10.0 | 166.7 | 1.50x | 2.00 | 3.0 | 1.25 |" in markdown([row])
 
 
+def test_bench_continuous_jobs_and_their_tpot():
+    """--continuous: the engine queues a job's prompts (no waves); TPOT averages each request's
+    seconds from submission to its last token over its tokens."""
+    from treedraft.scripts.bench import _jobs, _row
+
+    job = _jobs({"all": [[1], [2], [3]]}, (2,), (1.0,), 8, continuous=True)[0]
+    assert job["continuous"] and job["batch_size"] == 2 and len(job["prompts"]) == 3
+    assert "continuous" not in _jobs({"all": [[1]]}, (2,), (1.0,), 8)[0]
+    spec = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": [],
+            "mean_acceptance_length": None}
+    row = _row("no-spec", job, {"tokens": [[1] * 4, [2] * 2, [3] * 4], "wave_seconds": [2.0],
+                                "request_seconds": [0.8, 0.2, 1.2], "spec": spec})
+    assert row["tokens_per_s"] == 5.0
+    assert row["tpot_ms"] == pytest.approx(1000 * (0.2 + 0.1 + 0.3) / 3)
+
+
 def test_bench_rounds_alternate_and_merge_to_paired_medians():
     from treedraft.scripts.bench import markdown, merge_rounds, round_order
 

@@ -128,6 +128,15 @@ def _jobs(prompts, tokenizer, sampling: bool = True) -> list[dict]:
     return jobs
 
 
+def _queued_job(prompts) -> dict:
+    """The greedy job's prompts queued (`treedraft bench --continuous`): at most 3 run, the next
+    joins as one finishes; every other request samples (T=1, seeded)."""
+    return {"name": "queued", "prompts": prompts, "batch_size": 3, "continuous": True,
+            "params": [{"temperature": 0, "max_tokens": 48} if i % 2 == 0 else
+                       {"temperature": 1.0, "seed": i, "max_tokens": 48}
+                       for i in range(len(prompts))]}
+
+
 def _serving_job(prompts) -> dict:
     """Request shapes a server receives, in one batch (see the module docstring)."""
     long = [t for i in (5, 6, 7, 1) for t in prompts[i]][:LONG_PROMPT]
@@ -227,7 +236,8 @@ def runs(target, prompts, tokenizer, eagle3_export, medusa_export, tmp_path_fact
         "pressure": (target, TREE, [*greedy, serving, *jobs[1:2]],
                      {**small_kv, "max_num_batched_tokens": 64, "max_num_seqs": 8}),
         # "tree": "auto": each step's node budget from measured step cost (heads/cost.py)
-        "auto": (target, {"model": EAGLE, "tree": "auto:dynamic:10,3,3+lookup:4"}, greedy, None),
+        "auto": (target, {"model": EAGLE, "tree": "auto:dynamic:10,3,3+lookup:4"},
+                 [*greedy, _queued_job(prompts)], None),
         "schedule": (target, {**TREE, "num_speculative_tokens_per_batch_size": SCHEDULE},
                      [jobs[1], {"name": "wide", "prompts": prompts, "params": {
                          "temperature": 0, "max_tokens": 16, "ignore_eos": True}}], None),
@@ -389,6 +399,23 @@ def test_greedy_outputs_identical_to_no_speculation(runs, name, prompts, target)
         _, ms, measured, explored, checked = said[-1]  # chose from what it measured
         assert float(ms) > 0 and int(measured) >= 12 and int(explored) >= 1, said
         assert int(checked) > 0, said  # catch-up commits tested the head (acceptance signal)
+
+
+def test_auto_under_a_queue_of_greedy_and_sampled_requests(runs, prompts, target):
+    """auto with requests joining a running batch as others finish (continuous batching), greedy
+    and sampled ones mixed (each temperature class with its own estimates, heads/cost.py): the
+    greedy ones are answered as without speculation, the queue ran at most 3 at a time."""
+    base = runs["base"][0]["greedy"]["tokens"]
+    res = runs["auto"][0]["queued"]
+    greedy = range(0, len(prompts), 2)
+    _check_identical([base[i] for i in greedy], [res["tokens"][i] for i in greedy],
+                     [prompts[i] for i in greedy], target, "auto, queued")
+    assert all(len(t) == 48 or res["finish_reasons"][i] == "stop"
+               for i, t in enumerate(res["tokens"]))
+    assert len(res["request_seconds"]) == len(prompts) and len(res["wave_seconds"]) == 1
+    # a queue of 3: the job took longer than any one request, less than all of them in a row
+    assert max(res["request_seconds"]) < res["wave_seconds"][0] < sum(res["request_seconds"])
+    assert res["spec"]["drafts"] > 0
 
 
 def test_serving_request_shapes_answered_exactly(runs, prompts, target):
