@@ -185,9 +185,12 @@ class AutoBudget:
         return n, self.policy.explorers(batch, explored)
 
     def _lookup_said(self) -> str:
+        from treedraft.heads.cost import GREEDY, SAMPLED
+
         lookup = self.policy.lookup
-        return "" if lookup is None else (
-            f" (+ lookup where it pays: greedy {lookup[0].said()}; sampled {lookup[1].said()})")
+        return "" if lookup is None else (f" (+ lookup where it pays: greedy "
+                                          f"{lookup[GREEDY].said()}; sampled "
+                                          f"{lookup[SAMPLED].said()})")
 
     def step_started(self) -> None:
         now = time.perf_counter()
@@ -403,11 +406,12 @@ class TreeDraftProposer:
             self.auto.observe({req_id: len(sampled) for _, req_id, sampled, _ in work},
                               accepted, self.sources)
         grafts: dict[str, int] = {}  # auto: req_id -> match length of the lookup it grafts
-        sampling: set[str] = set()  # auto: the eligible requests that sample (T > 0)
+        # auto: the step's requests that sample (T > 0); their estimates are kept apart
+        sampling = {req_id for _, req_id, *_ in work
+                    if self._sampled_params(runner, req_id) is not None} if self.auto else set()
         if self.auto is not None and eligible and budget:
-            sampling = {req_id for _, req_id, *_ in eligible
-                        if self._sampled_params(runner, req_id) is not None}
-            n, few = self.auto.choose(len(eligible), len(sampling))
+            n, few = self.auto.choose(
+                len(eligible), sum(req_id in sampling for _, req_id, *_ in eligible))
             if few is not None:  # explore with the requests that have the least to catch up
                 eligible = sorted(eligible, key=lambda e: len(self.pending[e[1]]))[:few]
             if self.spec.lookup:  # per request: graft its lookup proposal where that pays
@@ -446,7 +450,7 @@ class TreeDraftProposer:
             # of a short request's first catch-up (acceptance estimated at x0.54-0.78 of the
             # head's table where chain=1 accepted x~1)
             need = [self.auto is not None and req_id not in self.auto.drafted and g > 0
-                    and self._sampled_params(runner, req_id) is None  # greedy (observe_teacher)
+                    and req_id not in sampling  # greedy only (observe_teacher)
                     for (req_id, _), g in zip(flushed, generated, strict=True)]
             share = max(1, TEACHER_CHECKS // max(sum(need), 1))  # ~TEACHER_CHECKS rows a step
             check = [min(share, g) if k else 0 for k, g in zip(need, generated, strict=True)]

@@ -168,16 +168,15 @@ def _run_job(llm, job: dict) -> dict:
     prof = os.environ.get(profile.PROFILE_ENV)  # the worker's step profile (plugin/profile.py)
     prof_before = profile.read(prof)
     tokens, logprobs, top, finish, waves = [], [], [], [], []
-    continuous = bool(job.get("continuous"))
-    if continuous:
+    request_seconds = None
+    if job.get("continuous"):  # one run of the whole queue
         t = time.perf_counter()
         outs, request_seconds = _continuous(llm, prompts, params, bs, job["name"])
-        waves.append(time.perf_counter() - t)
-    for i in range(0, len(prompts), len(prompts) if continuous else bs):
-        if not continuous:
-            t = time.perf_counter()
-            outs = llm.generate(prompts[i : i + bs], params[i : i + bs], use_tqdm=False)
-            waves.append(time.perf_counter() - t)
+        runs = [(outs, time.perf_counter() - t)]
+    else:
+        runs = _waves(llm, prompts, params, bs, job["name"])
+    for outs, seconds in runs:
+        waves.append(seconds)
         new = [c for o in outs for c in o.outputs]
         tokens += [list(c.token_ids) for c in new]
         logprobs += [None if c.logprobs is None else
@@ -193,15 +192,23 @@ def _run_job(llm, job: dict) -> dict:
                  for lp in c.logprobs]
                 for c in new]
         finish += [c.finish_reason for c in new]
-        if not continuous:  # (continuous: reported per request as they finish)
-            _report({"job": job["name"], "tokens": sum(len(c.token_ids) for c in new)})
     out = {"tokens": tokens, "logprobs": logprobs, "top_logprobs": top, "finish_reasons": finish,
            "wave_seconds": waves, "spec": counter_delta(before, spec_counters(llm))}
-    if continuous:
+    if request_seconds is not None:
         out["request_seconds"] = request_seconds
     if prof:
         out["profile"] = profile.delta(prof_before, profile.read(prof))
     return out
+
+
+def _waves(llm, prompts: list, params: list, bs: int, name: str):
+    """(outputs, seconds) of each wave of `bs` prompts, reported as it ends."""
+    for i in range(0, len(prompts), bs):
+        t = time.perf_counter()
+        outs = llm.generate(prompts[i : i + bs], params[i : i + bs], use_tqdm=False)
+        seconds = time.perf_counter() - t
+        _report({"job": name, "tokens": sum(len(c.token_ids) for o in outs for c in o.outputs)})
+        yield outs, seconds
 
 
 def _continuous(llm, prompts: list, params: list, bs: int, name: str
@@ -217,19 +224,19 @@ def _continuous(llm, prompts: list, params: list, bs: int, name: str
     ids = [f"{name}-{i}" for i in range(len(prompts))]
     where = {rid: i for i, rid in enumerate(ids)}
     outs: list = [None] * len(prompts)
-    started: dict[str, float] = {}
+    started = [0.0] * len(prompts)
     seconds = [0.0] * len(prompts)
     nxt = running = 0
     while nxt < len(prompts) or running:
         while nxt < len(prompts) and running < bs:
             params[nxt].output_kind = RequestOutputKind.FINAL_ONLY  # as LLM.generate does
-            started[ids[nxt]] = time.perf_counter()
+            started[nxt] = time.perf_counter()
             where[engine.add_request(ids[nxt], prompts[nxt], params[nxt])] = nxt  # vLLM's id
             nxt, running = nxt + 1, running + 1
         for o in engine.step():
             if o.finished:
                 i = where[o.request_id]
-                outs[i], seconds[i] = o, time.perf_counter() - started[ids[i]]
+                outs[i], seconds[i] = o, time.perf_counter() - started[i]
                 running -= 1
                 _report({"job": name, "tokens": sum(len(c.token_ids) for c in o.outputs)})
     return outs, seconds
