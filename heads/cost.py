@@ -23,7 +23,8 @@ tokens per second for the current batch of B drafting requests:
 
 where E(n) = expected tokens per request per step of the best n-node tree under the head's
 acceptance rates (`expected_lengths`; E(0) = 1), scaled online by how well the head actually
-accepts (`Acceptance`: temperature, domain). n = 0 drafts nothing: a step then costs what it
+accepts (`Acceptance`: temperature, domain), per budget drafted (a first node can accept far
+above the table where a second adds little). n = 0 drafts nothing: a step then costs what it
 costs without speculation. A better head raises E(n) and the same model then chooses larger
 trees: nothing to retune.
 
@@ -108,6 +109,7 @@ class StepCostModel:
     (auto choosing 0) never pushes out what the model knows about drafting. A plain step refits
     the model only every `refit_every` steps (a fit is ~1 ms of the step it serves, 2-3 % of a
     small CPU step); a step that drafted refits it at once."""
+
 
     def __init__(self, window: int = 256, min_samples: int = 12, refit_every: int = 8) -> None:
         self.plain: deque[tuple[float, ...]] = deque(maxlen=window)
@@ -297,20 +299,56 @@ class LookupValue:
 class Acceptance:
     """How the head accepts in this engine against what its rate table promises: kappa =
     observed extra tokens / expected extra tokens (decayed sums with a prior of 1), so that
-    E(n) = 1 + kappa * (E_table(n) - 1) follows temperature and domain."""
+    E(n) = 1 + kappa * (E_table(n) - 1) follows temperature and domain.
+
+    One factor for the whole table assumes every depth and rank gains alike; they do not. On
+    text the model repeats, the first node accepts far above the table while a second one
+    adds little (SmolLM2, MT-bench x 256, batch 1: x1.7 at one node, and drafting two cost
+    9 % of the tokens/s of one, session 20). So what each budget earned is kept too
+    (`add(..., budget=n)`), and `at(n)` is that budget's own factor shrunk towards the factor
+    of the budget below it (the smallest towards `kappa`) with `BUDGET_PRIOR` expected tokens
+    of weight: a budget never drafted expects what the one below it measured, not the table's
+    shape, and so is explored one step up at a time."""
+
+    BUDGET_PRIOR = 0.5  # weight of the budget below's factor, in expected extra tokens
+    # what a budget measured fades by `decay` per observation of that budget and by this per
+    # observation of another: a budget the policy left keeps what it measured (the choice
+    # between it and the one drafted now rests on both), for a few hundred steps
+    STALE_DECAY = 0.998
 
     def __init__(self, decay: float = 0.98, prior: float = 2.0) -> None:
         self.decay, self.observed, self.expected = decay, prior, prior
+        self._budgets: dict[int, list[float]] = {}  # budget -> [observed, expected] decayed
 
-    def add(self, expected_extra: float, observed_extra: float) -> None:
+    def add(self, expected_extra: float, observed_extra: float, budget: int | None = None
+            ) -> None:
         if expected_extra <= 0:
             return
         self.observed = self.decay * self.observed + observed_extra
         self.expected = self.decay * self.expected + expected_extra
+        if budget is not None:
+            s = self._budgets.setdefault(budget, [0.0, 0.0])
+            for b, t in self._budgets.items():
+                d = self.decay if b == budget else self.STALE_DECAY
+                t[0], t[1] = d * t[0], d * t[1]
+            s[0], s[1] = s[0] + observed_extra, s[1] + expected_extra
 
     @property
     def kappa(self) -> float:
         return min(self.observed / self.expected, 4.0)
+
+    def said(self) -> str:
+        """The factor of each budget drafted lately ("1 x1.70, 2 x1.27"), or "-"."""
+        k = self.at(self._budgets)
+        return ", ".join(f"{n} x{k[n]:.2f}" for n in sorted(k)) or "-"
+
+    def at(self, budgets) -> dict[int, float]:
+        """{n: factor} for the budgets n >= 1 in `budgets` (see the class docstring)."""
+        out, below = {}, self.kappa
+        for n in sorted(b for b in budgets if b >= 1):
+            o, e = self._budgets.get(n, (0.0, 0.0))
+            below = out[n] = min((o + self.BUDGET_PRIOR * below) / (e + self.BUDGET_PRIOR), 4.0)
+        return out
 
 
 class BudgetPolicy:
@@ -384,9 +422,11 @@ class BudgetPolicy:
 
     def lengths(self, sampled: float | None = None) -> dict[int, float]:
         """E(n) per request of a step whose share of sampled requests is `sampled` (default:
-        the step planned last)."""
-        k = self.kappa(sampled)
-        return {n: 1.0 + k * (e - 1.0) for n, e in self.table.items()}
+        the step planned last), each budget by its own measured factor (`Acceptance.at`)."""
+        s = self._sampled if sampled is None else sampled
+        greedy, samp = (a.at(self.table) for a in self.acceptance)
+        return {n: 1.0 + ((1.0 - s) * greedy[n] + s * samp[n]) * (e - 1.0) if n else e
+                for n, e in self.table.items()}
 
     def best(self, batch: int) -> int:
         return best_budget(self.model, batch, self.lengths(), self.MARGIN, self._choice,
@@ -429,12 +469,13 @@ class BudgetPolicy:
         if self.lookup is not None:
             self.lookup[sampled].add(match, nodes, tokens)
 
-    def observe(self, expected_extra: float, observed_extra: float, sampled: bool = False
-                ) -> None:
+    def observe(self, expected_extra: float, observed_extra: float, sampled: bool = False,
+                budget: int | None = None) -> None:
         """Drafts of requests of one class (`sampled`: T > 0) were verified: the head's table
         expected `expected_extra` tokens beyond the one a step always gives, they got
-        `observed_extra`."""
-        self.acceptance[sampled].add(expected_extra, observed_extra)
+        `observed_extra`; `budget`: the head nodes each of them drafted (a key of the table),
+        whose own factor learns from it too (`Acceptance.at`)."""
+        self.acceptance[sampled].add(expected_extra, observed_extra, budget)
 
     def step_done(self, seconds: float, decode: int, prefill: int, verified: int,
                   drafted: int, drafting_seconds: float | None = None, requests: int = 0

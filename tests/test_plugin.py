@@ -576,7 +576,8 @@ def test_auto_explores_up_from_nothing_with_a_few_requests():
 def test_auto_observes_greedy_and_sampled_requests_apart():
     """What the drafts of last step earned goes to the temperature class of their request: a
     sampled request that accepted nothing lowers the sampled acceptance only, a greedy one that
-    accepted all the table promised keeps the greedy one; lookup grafts likewise."""
+    accepted all the table promised keeps the greedy one; lookup grafts likewise; the head is
+    observed on the steps its request grafted no lookup, per budget drafted."""
     from types import SimpleNamespace
 
     from treedraft.heads.tree import parse_tree_spec
@@ -587,15 +588,23 @@ def test_auto_observes_greedy_and_sampled_requests_apart():
     table = auto.policy.table
     step = SimpleNamespace(num_scheduled_tokens={"g": 3, "s": 3},  # what vLLM's scheduler says
                            scheduled_spec_decode_tokens={"g": [1, 2], "s": [1, 2]})
-    for _ in range(50):
+    for k in range(100):  # every other step grafts lookup: the head is observed on the others
         auto.choose(2, sampled=1)
         auto.step_started()
-        auto.step_done(step, {"g": 2, "s": 2}, grafted={"g": (4, 2), "s": (4, 2)},
-                       sampling={"s"})
-        # g: both head drafts accepted (what a 2-node table promises, and more); s: nothing
-        auto.observe({"g": 3, "s": 1})
+        auto.step_done(step, {"g": 2, "s": 2}, grafted={"g": (4, 2), "s": (4, 2)} if k % 2
+                       else None, sampling={"s"})
+        # g: both head drafts accepted (what a 2-node table promises, and more) except where
+        # lookup was grafted (nothing: not the head's doing, and not observed); s: nothing
+        auto.observe({"g": 1 if k % 2 else 3, "s": 1})
     greedy, sampled = (a.kappa for a in auto.policy.acceptance)
     assert greedy >= (2.0 / (table[2] - 1.0)) * 0.9 and sampled < 0.1, (greedy, sampled)
     assert auto.policy.kappa(0.5) == pytest.approx((greedy + sampled) / 2)
     # no lookup node was accepted (no accepted paths given): both classes measured grafts
     assert all(v._sums[4][0] > 10 for v in auto.policy.lookup)
+    # and per budget: 2 head nodes each, so budget 2 of each class learnt what they earned,
+    # budgets it never drafted expect what budget 2 measured
+    lengths = auto.policy.lengths(0.0)
+    assert lengths[2] == pytest.approx(3.0, abs=0.1), lengths
+    assert auto.policy.lengths(1.0)[2] < 1.1
+    assert auto.policy.acceptance[0].at([1, 2, 3])[3] == pytest.approx(
+        auto.policy.acceptance[0].at([2])[2])
