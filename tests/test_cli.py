@@ -189,6 +189,21 @@ def test_bench_continuous_jobs_and_their_tpot():
     assert row["tpot_ms"] == pytest.approx(1000 * (0.2 + 0.1 + 0.3) / 3)
 
 
+
+def test_interleave_summary_pairs_prompts_against_the_first_config():
+    """scripts/interleave.py: speed against the first configuration as the ratio of totals, the
+    median of per-prompt ratios and the last pass alone; unequal counts are refused."""
+    from treedraft.scripts.interleave import summarize
+
+    s = summarize({"base": [2.0, 4.0, 2.0, 4.0], "fast": [1.0, 4.0, 1.0, 2.0]}, per_pass=2)
+    assert s["base"] == {"seconds": 12.0, "vs_first": 1.0, "median_vs_first": 1.0,
+                         "last_pass_vs_first": 1.0}
+    assert s["fast"]["vs_first"] == pytest.approx(1.5)
+    assert s["fast"]["median_vs_first"] == pytest.approx(2.0)  # ratios 2, 1, 2, 2
+    assert s["fast"]["last_pass_vs_first"] == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="fast: 1 generations timed, the baseline has 2"):
+        summarize({"base": [1.0, 1.0], "fast": [1.0]}, per_pass=2)
+
 def test_bench_rounds_alternate_and_merge_to_paired_medians():
     from treedraft.scripts.bench import markdown, merge_rounds, round_order
 
