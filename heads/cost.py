@@ -110,7 +110,6 @@ class StepCostModel:
     the model only every `refit_every` steps (a fit is ~1 ms of the step it serves, 2-3 % of a
     small CPU step); a step that drafted refits it at once."""
 
-
     def __init__(self, window: int = 256, min_samples: int = 12, refit_every: int = 8) -> None:
         self.plain: deque[tuple[float, ...]] = deque(maxlen=window)
         self.drafting: deque[tuple[float, ...]] = deque(maxlen=window // 4)

@@ -135,16 +135,16 @@ class AutoBudget:
             if sampled.get(req_id, 0) < 1:
                 continue
             got, cls = sampled[req_id] - 1, req_id in self._sampling
-            path, src = (accepted or {}).get(req_id), (sources or {}).get(req_id)
-            looked = (sum(1 for a in path if int(src[a]) == LOOKUP)
-                      if path is not None and src is not None else 0)
-            if (n := self._drafted.get(req_id, 0)) and req_id not in self._grafted:
-                key = (cls, max(b for b in table if b <= n))
-                expected[key] += table[key[1]] - 1.0
-                observed[key] += got - looked
-            if req_id in self._grafted:
+            if req_id in self._grafted:  # lookup: the tokens its lookup-only nodes gave
+                path, src = (accepted or {}).get(req_id), (sources or {}).get(req_id)
+                looked = (sum(1 for a in path if int(src[a]) == LOOKUP)
+                          if path is not None and src is not None else 0)
                 match, nodes = self._grafted[req_id]
                 self.policy.observe_lookup(match, nodes, looked, sampled=cls)
+            elif n := self._drafted.get(req_id, 0):  # the head alone drafted its tree
+                key = (cls, max(b for b in table if b <= n))
+                expected[key] += table[key[1]] - 1.0
+                observed[key] += got
         for (cls, budget), e in expected.items():
             self.policy.observe(e, observed[(cls, budget)], sampled=cls, budget=budget)
 

@@ -86,7 +86,7 @@ def main(argv=None) -> None:
     tok = AutoTokenizer.from_pretrained(target)
     ds = load_prompts(args.prompts, limit=args.limit, stride=args.stride)
     prompts = [encode_chat(tok, first_turn(m)) for m in ds["messages"]]
-    dtype = str(resolve_dtype(args.dtype)).removeprefix("torch.")
+    dtype = resolve_dtype(args.dtype)
     print(f"[interleave] {describe()}; {len(prompts)} {args.prompts} prompts x "
           f"{args.max_new_tokens} tokens, T={args.temperature}, {args.passes} passes, {dtype}",
           flush=True)
