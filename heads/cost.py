@@ -55,7 +55,9 @@ the other's acceptance; a step mixing them expects the mix of its requests.
 costs, and then only where drafting promises more than `MARGIN` over drafting nothing; it
 explores one budget up (and down) at an interval that doubles while the choice holds, so
 exploration costs little once the answer is clear, and goes back to frequent exploration when
-the choice changes.
+the choice changes. Where no plain step was measured for a while, an exploration down drafts
+nothing: the model's plain steps must be of the machine as it is now (a start-up stall left
+slow plain steps beside fast drafting ones and every row looked free, `StepCostModel`).
 """
 
 from __future__ import annotations
@@ -110,8 +112,18 @@ class StepCostModel:
     the model only every `refit_every` steps (a fit is ~1 ms of the step it serves, 2-3 % of a
     small CPU step); a step that drafted refits it at once."""
 
+    # a plain step after at least STALE_AFTER steps without one that runs STALE_RATIO times
+    # faster than the plain steps kept predict replaces them: they were measured on a slower
+    # machine (a start-up stall, a neighbour that has left). Kept, they priced every row of a
+    # faster present at ~0 (175 ms a step + 0 ms a verified row at batch 1: auto drafted 24-32
+    # nodes where one pays, session 20); slower plain steps than predicted are not evidence of
+    # that (the 4x rule in `add` drops stalls, a plain step beside drafting ones is noisy)
+    STALE_AFTER, STALE_RATIO = 32, 1.5
+
     def __init__(self, window: int = 256, min_samples: int = 12, refit_every: int = 8) -> None:
         self.plain: deque[tuple[float, ...]] = deque(maxlen=window)
+        self.steps = 0  # steps added (dropped ones too)
+        self._plain_at = 0  # self.steps at the newest plain sample
         self.drafting: deque[tuple[float, ...]] = deque(maxlen=window // 4)
         # (drafting requests, drafted nodes, seconds) of steps whose drafting phase was timed
         self.draft_times: deque[tuple[float, float, float]] = deque(maxlen=window // 4)
@@ -129,7 +141,8 @@ class StepCostModel:
     def add(self, seconds: float, decode: int = 0, prefill: int = 0, verified: int = 0,
             drafted: int = 0, drafting_seconds: float | None = None, requests: int = 0) -> None:
         """One step: its wall seconds and counts. A sample more than 4x slower than the model
-        predicts (an idle gap, a stall) is dropped. `drafting_seconds` (the step's drafting
+        predicts (an idle gap, a stall) is dropped; a plain step far faster than the kept ones
+        after a while without one replaces them (`STALE_AFTER`). `drafting_seconds` (the step's drafting
         phase, timed by the caller) with `requests` (how many requests drafted): the drafting
         cost is fitted from those times and the rest of the step from the rest."""
         if drafting_seconds is not None and seconds > 0 and decode + prefill > 0:
@@ -140,12 +153,26 @@ class StepCostModel:
         x = (float(decode), float(prefill), float(verified), float(drafted))
         if seconds <= 0 or decode + prefill <= 0:
             return
+        self.steps += 1
         if self.fit() is not None and seconds > 4 * self.predict(*x):
             return
-        (self.drafting if verified or drafted else self.plain).append((*x, float(seconds)))
+        plain = not (verified or drafted)
+        stale = plain and (self.plain_age >= self.STALE_AFTER and self.fit() is not None
+                           and self.STALE_RATIO * seconds < self.predict(*x))
+        if stale:
+            self.plain.clear()
+        if plain:
+            self._plain_at = self.steps
+        (self.plain if plain else self.drafting).append((*x, float(seconds)))
         self._stale += 1
-        if verified or drafted or self._coef is None or self._stale >= self.refit_every:
+        if (not plain or stale or self._coef is None
+                or self._stale >= self.refit_every):
             self._coef, self._fitted = None, False
+
+    @property
+    def plain_age(self) -> int:
+        """Steps since the newest plain step (one that neither verified nor drafted)."""
+        return self.steps - self._plain_at
 
     @property
     def knows_verifying(self) -> bool:
@@ -453,6 +480,8 @@ class BudgetPolicy:
             return n, False
         self._since, self.interval = 0, min(2 * self.interval, self.EXPLORE_MAX)
         self._up = not self._up if (up and down) else bool(up)
+        if not self._up and self.model.plain_age >= StepCostModel.STALE_AFTER:
+            return 0, True  # measure a plain step now and then (StepCostModel.STALE_AFTER)
         return (min(up) if self._up else max(down)), True
 
     def explorers(self, batch: int, explored: bool) -> int | None:

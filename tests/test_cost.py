@@ -254,6 +254,40 @@ def test_acceptance_is_measured_per_budget_where_deeper_nodes_earn_nothing():
     assert budgets[-100:].count(1) >= 90, budgets[-100:]
     assert policy.lengths()[2] < policy.lengths()[1] + 0.1 * first, policy.lengths()
 
+def test_a_start_up_stall_leaves_no_plain_steps_that_price_rows_at_nothing():
+    """An engine's first steps 3.5x slower (another process on the 2 cores), then normal: the
+    plain steps of the stall stayed the only plain steps the model had (the policy drafted
+    from then on), so a verified row was priced at ~0 against them and auto drafted many nodes
+    for the rest of the run (session 20: 175 ms a step + 0 ms a row, 24-32 nodes at batch 1,
+    where one pays). A plain step is measured now and then, and one far faster than the
+    plain steps kept predict replaces them."""
+    lengths = expected_lengths(RATES, 64, chain=False)
+
+    def cpu(ver):  # batch 1: a verified row ~5.3 ms of a ~50 ms step (session 20)
+        return 0.051 + 0.0053 * ver
+
+    assert max(lengths, key=lambda n: lengths[n] / (cpu(n) + 0.002 + 0.0015 * n)) == 1
+    for stall in (30, 100):
+        noise, policy = random.Random(stall), BudgetPolicy(lengths)
+        for pre in (40, 120, 80):
+            policy.step_done(3.5 * (cpu(0) + 0.0001 * pre), 0, pre, 0, 0)
+        last, budgets = 0, []
+        for step in range(1200):
+            if last:
+                policy.observe(lengths[last] - 1.0, lengths[last] - 1.0, budget=last)
+            n, _ = policy.choose(1)
+            slow = (3.5 if step < stall else 1.0) * (1 + 0.05 * (2 * noise.random() - 1))
+            drafting = (0.002 + 0.0015 * n) * slow if n else None
+            policy.step_done(cpu(last) * slow + (drafting or 0.0), 1, 0, last, n, drafting,
+                             int(bool(n)))
+            last = n
+            budgets.append(n)
+        assert max(budgets[stall + 200:]) <= 2, budgets[stall + 200:]
+        assert budgets[-300:].count(1) >= 280, budgets[-300:]
+        a, _, _, c, _ = policy.model.fit()
+        assert a == pytest.approx(0.051, rel=0.15) and c == pytest.approx(0.0053, rel=0.3)
+
+
 def test_lookup_is_grafted_per_request_where_it_pays():
     """A request grafts its lookup proposal when what proposals of its match length earned per
     verified node beats the step's tokens per second at the fitted price of a verified row;
