@@ -6,11 +6,14 @@ compute-bound after a few rows and a drafted node costs about as much as a token
 assumed: `StepCostModel` fits, online, from the engine's own steps
 
     seconds(step) ~ a + b * decode_rows + p * prefill_rows + c * verified_drafts + d * drafted
+                      + v * verifying_requests
 
 (least squares, coefficients kept >= 0): a plain decode row, a row of a prefill chunk (cheaper
-per row on a CPU: one large GEMM), a drafted token verified this step (tree attention and
-verification on top of its row) and a node drafted this step (the head's forwards) each have
-their own price. Where the engine times its drafting phase itself (`drafting_seconds`), that
+per row on a CPU: one large GEMM), a drafted token verified this step (its row), a node
+drafted this step (the head's forwards) and a request whose drafts this step verifies (its
+tree's attention, verification and KV compaction, per request: at batch 4 on the AVX2 CPU a
+request's tree cost ~5.8 ms and each of its rows ~0.7 ms; priced per row alone, ~2.2 ms, a
+one-node draft looked three times cheaper than it was, session 21) each have their own price. Where the engine times its drafting phase itself (`drafting_seconds`), that
 time leaves the step's and is fitted on its own, per drafting request and per drafted node:
 fitted from whole steps, drafting and verifying share one column in practice (a step verifies
 what the step before drafted), and at batch 1 their fitted sum moved between 3.6 and 28 ms
@@ -37,9 +40,10 @@ lookup proposal (1..4 tokens of its history's suffix seen before), what grafting
 tokens on lookup-only nodes) and cost (lookup-only nodes verified), and `BudgetPolicy.graft`
 grafts a request's lookup nodes when their extra tokens per second beat the step's own:
 
-    g_k / (l_k * c) > (1 + MARGIN) * tokens(step) / seconds(step)
+    g_k / (l_k * c + v') > (1 + MARGIN) * tokens(step) / seconds(step)
 
-(c: the fitted seconds per verified draft row; a match length grafted stays grafted down to
+(c: the fitted seconds per verified draft row; v': the fitted seconds per verifying request
+where the request drafts no head node, else 0; a match length grafted stays grafted down to
 (1 - LOOKUP_HYSTERESIS) of that bar). What is measured fades step by step over an optimistic
 prior, so a match length left out is grafted again after a while and measured anew: what
 lookup earns changes within a reply, and an estimate that is never refreshed stays wrong.
@@ -101,7 +105,8 @@ def expected_lengths(rates: Sequence[Sequence[float]], max_nodes: int, chain: bo
     return out
 
 
-FEATURES = ("decode rows", "prefill rows", "verified drafts", "drafted nodes")
+FEATURES = ("decode rows", "prefill rows", "verified drafts", "drafted nodes",
+            "verifying requests")
 
 
 class StepCostModel:
@@ -139,18 +144,20 @@ class StepCostModel:
         return [*self.plain, *self.drafting]
 
     def add(self, seconds: float, decode: int = 0, prefill: int = 0, verified: int = 0,
-            drafted: int = 0, drafting_seconds: float | None = None, requests: int = 0) -> None:
+            drafted: int = 0, drafting_seconds: float | None = None, requests: int = 0,
+            verifying: int = 0) -> None:
         """One step: its wall seconds and counts. A sample more than 4x slower than the model
         predicts (an idle gap, a stall) is dropped; a plain step far faster than the kept ones
         after a while without one replaces them (`STALE_AFTER`). `drafting_seconds` (the step's drafting
         phase, timed by the caller) with `requests` (how many requests drafted): the drafting
-        cost is fitted from those times and the rest of the step from the rest."""
+        cost is fitted from those times and the rest of the step from the rest; `verifying`:
+        how many requests had drafts verified (`verified` of them in all)."""
         if drafting_seconds is not None and seconds > 0 and decode + prefill > 0:
             if drafted and requests:
                 self.draft_times.append((float(requests), float(drafted), drafting_seconds))
                 self._draft_coef = None
             seconds, drafted = seconds - drafting_seconds, 0
-        x = (float(decode), float(prefill), float(verified), float(drafted))
+        x = (float(decode), float(prefill), float(verified), float(drafted), float(verifying))
         if seconds <= 0 or decode + prefill <= 0:
             return
         self.steps += 1
@@ -206,8 +213,9 @@ class StepCostModel:
         return self._draft_coef
 
     def fit(self) -> tuple[float, ...] | None:
-        """(a, b, p, c, d) >= 0, or None before `min_samples` steps or without spread in the
-        rows. A feature that never varied gets 0 (the intercept holds it)."""
+        """(a, b, p, c, d, v) >= 0 (module docstring), or None before `min_samples` steps or
+        without spread in the rows. A feature that never varied gets 0 (the intercept holds
+        it)."""
         if self._fitted:
             return self._coef
         self._fitted, self._stale = True, 0
@@ -218,9 +226,10 @@ class StepCostModel:
         rows = s[:, 0] + s[:, 1]
         if rows.max() == rows.min() and not self.drafting:
             return None
-        X = torch.cat([torch.ones(len(s), 1, dtype=torch.float64), s[:, :4]], 1)
-        y = s[:, 4]
-        cols = [0] + [j + 1 for j in range(4) if s[:, j].max() > s[:, j].min()]
+        k = len(FEATURES)
+        X = torch.cat([torch.ones(len(s), 1, dtype=torch.float64), s[:, :k]], 1)
+        y = s[:, k]
+        cols = [0] + [j + 1 for j in range(k) if s[:, j].max() > s[:, j].min()]
         scale = X.abs().amax(0).clamp_min(1.0)
         while True:  # drop a column whose coefficient comes out negative and refit
             # a small ridge on the (scaled) features: a feature seen in one odd step (a lone
@@ -239,26 +248,27 @@ class StepCostModel:
             if not neg or cols == neg:
                 break
             cols = [c for c in cols if c != neg[0]]
-        coef = [0.0] * 5
+        coef = [0.0] * (k + 1)
         for c, v in zip(cols, sol.tolist(), strict=True):
             coef[c] = max(v, 0.0)
         self._coef = tuple(coef)
         return self._coef
 
     def predict(self, decode: float, prefill: float = 0.0, verified: float = 0.0,
-                drafted: float = 0.0, requests: float = 0.0) -> float:
-        """Seconds of a step; `requests`: how many of its requests draft (`drafted` nodes)."""
-        a, b, p, c, d = self.fit() or (0.0,) * 5
+                drafted: float = 0.0, requests: float = 0.0, verifying: float = 0.0) -> float:
+        """Seconds of a step; `requests`: how many of its requests draft (`drafted` nodes),
+        `verifying`: how many have drafts verified (`verified` in all)."""
+        a, b, p, c, d, v = self.fit() or (0.0,) * (len(FEATURES) + 1)
         r, dn = self.draft_fit()
-        return (a + b * decode + p * prefill + c * verified + d * drafted
+        return (a + b * decode + p * prefill + c * verified + d * drafted + v * verifying
                 + (r * requests + dn * drafted if drafted else 0.0))
 
 
 def step_rate(model: StepCostModel, batch: int, lengths: dict[int, float], n: int) -> float:
     """Expected tokens per second of a step where `batch` decoding requests each draft `n`
-    nodes (E(n) tokens per request from `lengths`)."""
-    return batch * lengths[n] / max(
-        model.predict(batch, 0, batch * n, batch * n, batch if n else 0), 1e-9)
+    nodes (E(n) tokens per request from `lengths`): each of them verifies a tree of n."""
+    k = batch if n else 0
+    return batch * lengths[n] / max(model.predict(batch, 0, batch * n, batch * n, k, k), 1e-9)
 
 
 def best_budget(model: StepCostModel, batch: int, lengths: dict[int, float],
@@ -423,15 +433,17 @@ class BudgetPolicy:
         """The budget the model chose last (what `choose` returns when it does not explore)."""
         return self._choice
 
-    def graft(self, match: int, sampled: bool = False) -> bool:
+    def graft(self, match: int, sampled: bool = False, head: int = 0) -> bool:
         """Whether a request of the step `choose` planned last grafts its lookup proposal, whose
         match length is `match` (0: it has none): where the lookup nodes' extra tokens per
-        second beat the step's own (module docstring); `sampled`: the request samples (T > 0)."""
+        second beat the step's own (module docstring); `sampled`: the request samples (T > 0);
+        `head`: the head nodes it drafts this step (none: the graft alone makes its drafts a
+        tree to verify, and pays what a verifying request costs too)."""
         if self.lookup is None or match <= 0 or self._bar is None:
             return False
-        c, rate = self._bar
+        c, v, rate = self._bar
         g, nodes = self.lookup[sampled].value(match)
-        bar = nodes * c * rate
+        bar = (nodes * c + (0.0 if head else v)) * rate
         key = (bool(sampled), match)
         if g > (1.0 - self.LOOKUP_HYSTERESIS if key in self._grafting else
                 1.0 + self.MARGIN) * bar:
@@ -473,7 +485,7 @@ class BudgetPolicy:
                 value.step()
             coef = self.model.fit()
             if coef is not None and self.model.knows_verifying:
-                self._bar = (coef[3], step_rate(self.model, batch, self.lengths(), n))
+                self._bar = (coef[3], coef[5], step_rate(self.model, batch, self.lengths(), n))
         up = [b for b in self.table if b > n]
         down = [b for b in self.table if b < n]
         if self._since < self.interval or not (up or down):
@@ -506,6 +518,7 @@ class BudgetPolicy:
         self.acceptance[sampled].add(expected_extra, observed_extra, budget)
 
     def step_done(self, seconds: float, decode: int, prefill: int, verified: int,
-                  drafted: int, drafting_seconds: float | None = None, requests: int = 0
-                  ) -> None:
-        self.model.add(seconds, decode, prefill, verified, drafted, drafting_seconds, requests)
+                  drafted: int, drafting_seconds: float | None = None, requests: int = 0,
+                  verifying: int = 0) -> None:
+        self.model.add(seconds, decode, prefill, verified, drafted, drafting_seconds, requests,
+                       verifying)

@@ -177,14 +177,14 @@ class AutoBudget:
         if not explored and _tp_rank0() and (
                 first or ((batch, n) != self._logged and now - self._log_at > 10)):
             self._fitted |= fitted
-            coef = self.policy.model.fit() or (0.0,) * 5
+            coef = self.policy.model.fit() or (0.0,) * 6
             logger.info(
                 "treedraft auto: %d drafting requests (%d sampling) -> %d nodes each%s (expected "
                 "%.2f tokens per request-step, acceptance x%.2f of the head's table (greedy "
                 "x%.2f, sampled x%.2f; per nodes drafted: greedy %s, sampled %s); step ~ %.1f "
-                "ms + %.2f "
-                "ms/decode row + %.2f ms/prefill row + %.2f ms/verified draft + %.2f ms/drafted "
-                "node; %d steps measured, %d explored, %d positions checked teacher-forced)",
+                "ms + %.2f ms/decode row + %.2f ms/prefill row + %.2f ms/verified draft + %.2f "
+                "ms/drafted node + %.2f ms/verifying request; %d steps measured, %d explored, "
+                "%d positions checked teacher-forced)",
                 batch, sampled, n, self._lookup_said(), self.policy.lengths()[n],
                 self.policy.kappa(), *(a.kappa for a in self.policy.acceptance),
                 *(a.said() for a in self.policy.acceptance),
@@ -215,17 +215,19 @@ class AutoBudget:
         between steps (idle time between requests never counts), less `catch_up` (seconds its
         head commits spent on pairs of earlier steps: the lazy commits a request's first drafting
         step makes up for, a whole prompt or every step auto drafted nothing; charged to this
-        step they would price drafting at many times its steady cost), its rows by kind, and
-        the head nodes drafted per request; `drafting`: the seconds of this step's drafting phase
+        step they would price drafting at many times its steady cost), its rows by kind (and
+        how many requests had drafts verified), and the head nodes drafted per request;
+        `drafting`: the seconds of this step's drafting phase
         (catch-up excluded), fitted on their own (heads/cost.py); `grafted`: requests that
         grafted lookup this step -> (match length, lookup-only nodes); `sampling`: the requests
         of this step that sample (T > 0)."""
         now = time.perf_counter()
         spec = scheduler_output.scheduled_spec_decode_tokens
-        decode = prefill = verified = 0
+        decode = prefill = verified = verifying = 0
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             v = len(spec.get(req_id, ()))
             verified += v
+            verifying += v > 0
             if n - v == 1:
                 decode += 1
             else:
@@ -234,7 +236,7 @@ class AutoBudget:
             gap = statistics.median(self._gaps) if self._gaps else 0.0
             self.policy.step_done(now - self._start + gap - catch_up, decode, prefill, verified,
                                   sum(drafted.values()), drafting if drafted else None,
-                                  len(drafted))
+                                  len(drafted), verifying)
         self._start, self._last_end = None, now
         self._drafted, self._grafted = drafted, grafted or {}
         self._sampling = sampling or set()
@@ -426,7 +428,7 @@ class TreeDraftProposer:
             if self.spec.lookup:  # per request: graft its lookup proposal where that pays
                 for i, req_id, _, _ in eligible:
                     match = self._lookup_index(ib, i, req_id).match_length()
-                    if self.auto.policy.graft(match, req_id in sampling):
+                    if self.auto.policy.graft(match, req_id in sampling, n):
                         grafts[req_id] = match
                 if not n:  # lookup alone: only the requests that graft draft
                     eligible = [e for e in eligible if e[1] in grafts]
