@@ -9,15 +9,16 @@ assumed: `StepCostModel` fits, online, from the engine's own steps
                       + v * verifying_requests
 
 (least squares, coefficients kept >= 0): a plain decode row, a row of a prefill chunk (cheaper
-per row on a CPU: one large GEMM), a drafted token verified this step (its row), a node
-drafted this step (the head's forwards) and a request whose drafts this step verifies (its
-tree's attention, verification and KV compaction, per request: at batch 4 on the AVX2 CPU a
-request's tree cost ~5.8 ms and each of its rows ~0.7 ms; priced per row alone, ~2.2 ms, a
-one-node draft looked three times cheaper than it was, session 21) each have their own price. Where the engine times its drafting phase itself (`drafting_seconds`), that
-time leaves the step's and is fitted on its own, per drafting request and per drafted node:
-fitted from whole steps, drafting and verifying share one column in practice (a step verifies
-what the step before drafted), and at batch 1 their fitted sum moved between 3.6 and 28 ms
-per node across refits on a drifting 2-core CPU (session 16).
+per row on a CPU: one large GEMM), a drafted token verified this step (its row), a node drafted
+this step (the head's forwards) and a request whose drafts this step verifies (its tree's
+attention, verification and KV compaction, per request: at batch 4 on the AVX2 CPU a request's
+tree cost ~5.8 ms and each of its rows ~0.7 ms; priced per row alone, ~2.2 ms, a one-node draft
+looked three times cheaper than it was, session 21) each have their own price. Where the engine
+times its drafting phase itself (`drafting_seconds`), that time leaves the step's and is fitted
+on its own, per drafting request and per drafted node: fitted from whole steps, drafting and
+verifying share one column in practice (a step verifies what the step before drafted), and at
+batch 1 their fitted sum moved between 3.6 and 28 ms per node across refits on a drifting
+2-core CPU (session 16).
 
 `best_budget` picks the node budget n per request that maximises expected
 tokens per second for the current batch of B drafting requests:
@@ -148,10 +149,10 @@ class StepCostModel:
             verifying: int = 0) -> None:
         """One step: its wall seconds and counts. A sample more than 4x slower than the model
         predicts (an idle gap, a stall) is dropped; a plain step far faster than the kept ones
-        after a while without one replaces them (`STALE_AFTER`). `drafting_seconds` (the step's drafting
-        phase, timed by the caller) with `requests` (how many requests drafted): the drafting
-        cost is fitted from those times and the rest of the step from the rest; `verifying`:
-        how many requests had drafts verified (`verified` of them in all)."""
+        after a while without one replaces them (`STALE_AFTER`). `drafting_seconds` (the
+        step's drafting phase, timed by the caller) with `requests` (how many requests
+        drafted): the drafting cost is fitted from those times and the rest of the step from
+        the rest; `verifying`: how many requests had drafts verified (`verified` in all)."""
         if drafting_seconds is not None and seconds > 0 and decode + prefill > 0:
             if drafted and requests:
                 self.draft_times.append((float(requests), float(drafted), drafting_seconds))
@@ -172,8 +173,7 @@ class StepCostModel:
             self._plain_at = self.steps
         (self.plain if plain else self.drafting).append((*x, float(seconds)))
         self._stale += 1
-        if (not plain or stale or self._coef is None
-                or self._stale >= self.refit_every):
+        if not plain or stale or self._coef is None or self._stale >= self.refit_every:
             self._coef, self._fitted = None, False
 
     @property
