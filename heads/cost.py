@@ -162,11 +162,12 @@ class StepCostModel:
         if seconds <= 0 or decode + prefill <= 0:
             return
         self.steps += 1
-        if self.fit() is not None and seconds > 4 * self.predict(*x):
+        predicted = self.predict(*x) if self.fit() is not None else None
+        if predicted is not None and seconds > 4 * predicted:
             return
         plain = not (verified or drafted)
-        stale = plain and (self.plain_age >= self.STALE_AFTER and self.fit() is not None
-                           and self.STALE_RATIO * seconds < self.predict(*x))
+        stale = (plain and predicted is not None and self.plain_age >= self.STALE_AFTER
+                 and self.STALE_RATIO * seconds < predicted)
         if stale:
             self.plain.clear()
         if plain:
@@ -254,11 +255,16 @@ class StepCostModel:
         self._coef = tuple(coef)
         return self._coef
 
+    @property
+    def coefficients(self) -> tuple[float, ...]:
+        """`fit()`, or zeros before there is one."""
+        return self.fit() or (0.0,) * (len(FEATURES) + 1)
+
     def predict(self, decode: float, prefill: float = 0.0, verified: float = 0.0,
                 drafted: float = 0.0, requests: float = 0.0, verifying: float = 0.0) -> float:
         """Seconds of a step; `requests`: how many of its requests draft (`drafted` nodes),
         `verifying`: how many have drafts verified (`verified` in all)."""
-        a, b, p, c, d, v = self.fit() or (0.0,) * (len(FEATURES) + 1)
+        a, b, p, c, d, v = self.coefficients
         r, dn = self.draft_fit()
         return (a + b * decode + p * prefill + c * verified + d * drafted + v * verifying
                 + (r * requests + dn * drafted if drafted else 0.0))

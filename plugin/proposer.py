@@ -177,7 +177,7 @@ class AutoBudget:
         if not explored and _tp_rank0() and (
                 first or ((batch, n) != self._logged and now - self._log_at > 10)):
             self._fitted |= fitted
-            coef = self.policy.model.fit() or (0.0,) * 6
+            coef = self.policy.model.coefficients
             logger.info(
                 "treedraft auto: %d drafting requests (%d sampling) -> %d nodes each%s (expected "
                 "%.2f tokens per request-step, acceptance x%.2f of the head's table (greedy "
@@ -217,10 +217,9 @@ class AutoBudget:
         step makes up for, a whole prompt or every step auto drafted nothing; charged to this
         step they would price drafting at many times its steady cost), its rows by kind (and
         how many requests had drafts verified), and the head nodes drafted per request;
-        `drafting`: the seconds of this step's drafting phase
-        (catch-up excluded), fitted on their own (heads/cost.py); `grafted`: requests that
-        grafted lookup this step -> (match length, lookup-only nodes); `sampling`: the requests
-        of this step that sample (T > 0)."""
+        `drafting`: the seconds of this step's drafting phase (catch-up excluded), fitted on
+        their own (heads/cost.py); `grafted`: requests that grafted lookup this step -> (match
+        length, lookup-only nodes); `sampling`: the requests of this step that sample (T > 0)."""
         now = time.perf_counter()
         spec = scheduler_output.scheduled_spec_decode_tokens
         decode = prefill = verified = verifying = 0

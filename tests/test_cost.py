@@ -138,7 +138,6 @@ def test_near_equal_budgets_under_noisy_step_times_keep_one_choice():
     assert changes <= 2 and explorations <= 16, (changes, explorations)
 
 
-
 def test_a_verifying_request_has_its_own_price():
     """Batch 4 on the AVX2 CPU, steps timed by how many requests verified drafts and how many
     rows (session 21: 60.9 ms plain; 4 rows of 1 request 69.5, 8 of 2 79.6, 12 of 3 87.5,
@@ -252,7 +251,6 @@ def test_policy_never_loses_much_where_drafting_does_not_pay_and_finds_where_it_
     assert true_best(mid, 1.0, 8, lengths) > true_best(mid, 0.2, 8, lengths)
 
 
-
 def test_acceptance_is_measured_per_budget_where_deeper_nodes_earn_nothing():
     """On text the model repeats, the head's first node accepts far above its table while a
     second node adds nothing: the head's acceptance is kept per budget drafted (a budget not
@@ -285,6 +283,7 @@ def test_acceptance_is_measured_per_budget_where_deeper_nodes_earn_nothing():
         budgets.append(n)
     assert budgets[-100:].count(1) >= 90, budgets[-100:]
     assert policy.lengths()[2] < policy.lengths()[1] + 0.1 * first, policy.lengths()
+
 
 def test_a_start_up_stall_leaves_no_plain_steps_that_price_rows_at_nothing():
     """An engine's first steps 3.5x slower (another process on the 2 cores), then normal: the
