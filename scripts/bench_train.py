@@ -6,6 +6,7 @@ For each (draft vocab, dtype) it runs `--steps` optimizer steps of the real loop
 (target features + head loss (EAGLE TTT or Medusa) + backward + AdamW) on ShareGPT prompts with their own replies
 (no generation), after warm-up steps, and prints tokens/s split into target and head time.
 A benchmark, not a test: numbers depend on the machine and on what else runs on it.
+Whole recipes side by side (feature cache, batching, schedule): `scripts/bench_recipes.py`.
 """
 
 from __future__ import annotations

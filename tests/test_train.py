@@ -3,7 +3,9 @@
 Proves: both head types train in seconds through the CLI and leave a loadable head with
 provenance and measured acceptance rates; a run stopped at step k and resumed to N logs the same
 per-step losses and ends with the same weights as an uninterrupted run (and reuses the cached
-replies instead of regenerating); the optional feature cache trains; the target features and
+replies instead of regenerating); the optional feature cache trains, is refused when built with
+other settings (naming them) or larger than the free disk (before the target runs), and its size
+estimate holds; bench_recipes' throughput summary; the target features and
 soft labels are the target's own (hidden_states layers, next-token log-probs, Medusa offsets);
 config files + --key=value overrides are typed; every bad input fails with a clear error before
 the expensive part (unknown key, unknown head type/key, empty data, too-long prompts, resume
@@ -216,9 +218,11 @@ def test_resume_with_different_config_is_refused(tiny, tmp_path):
         train(cfg_of(tiny, tmp_path), resume=tmp_path / "nowhere")
 
 
-def test_feature_cache_trains(tiny, tmp_path):
+@pytest.mark.parametrize("head", [{"head.draft_vocab_size": 128},
+                                  {"head_type": "medusa", "head": "{}", "head.num_heads": 2}])
+def test_feature_cache_trains(tiny, tmp_path, head):  # the shipped recipes of both head types
     train(cfg_of(tiny, tmp_path, cache_features="true", cache_topk=16, max_steps=2, eval_prompts=0,
-                 **{"head.draft_vocab_size": 128}))
+                 **head))
     assert list((tmp_path / "features").glob("shard-*.safetensors"))
     assert all(x == x for x in losses(tmp_path))  # no NaN
 
@@ -250,6 +254,81 @@ def test_feature_cache_matches_streamed_features(tiny, tmp_path):
         a, _ = eagle_loss(head, streamed, [1.0, 0.5])
         b, _ = eagle_loss(head, cached, [1.0, 0.5])
     torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3)  # cache keeps log-probs in fp16
+
+
+def test_a_feature_cache_of_other_settings_is_refused_naming_the_mismatch(tiny, tmp_path):
+    from treedraft.training.features import FeatureCache
+    from treedraft.training.target import load_target
+
+    loaded = load_target(str(tiny[0]))
+    torch.manual_seed(0)
+    seqs = [Seq(str(i), torch.randint(0, 49152, (n,)).tolist(), 3) for i, n in enumerate([9, 12])]
+    src = TargetFeatures(loaded.model, (2,), topk=8)
+
+    def cache(seqs=seqs, layers=(2,)):
+        return FeatureCache(tmp_path, seqs, src, batch_size=2, dtype=torch.float32,
+                            fingerprint={"layers": list(layers), "topk": 8}, progress=False)
+
+    cache()
+    shard = tmp_path / "shard-00000.safetensors"
+    built = shard.stat().st_mtime_ns
+    assert torch.equal(cache()([1]).features, cache()([1]).features)  # same settings: reused
+    assert shard.stat().st_mtime_ns == built  # not rebuilt
+    with pytest.raises(ValueError, match=r"layers: \[2\] in the cache, \[1\] here.*delete"):
+        cache(layers=(1,))
+    other = [Seq(s.id, [t + 1 for t in s.input_ids], 3) for s in seqs]  # another tokenizer
+    with pytest.raises(ValueError, match="token ids of the training sequences"):
+        cache(seqs=other)
+    assert shard.stat().st_mtime_ns == built  # a refused cache is left as it was
+
+
+def test_a_feature_cache_larger_than_the_free_disk_is_refused_before_the_target_runs(
+        tiny, tmp_path, monkeypatch):
+    import shutil
+
+    from treedraft.training import features
+    from treedraft.training.target import load_target
+
+    loaded = load_target(str(tiny[0]))
+    torch.manual_seed(0)
+    seqs = [Seq(str(i), torch.randint(0, 49152, (n,)).tolist(), 5)
+            for i, n in enumerate([40, 64, 33, 50])]
+    src = TargetFeatures(loaded.model, (1, 2), topk=16, need_final=True)
+    need = features.cache_bytes(seqs, src, torch.bfloat16)
+    features.FeatureCache(tmp_path / "ok", seqs, src, batch_size=2, dtype=torch.bfloat16,
+                          fingerprint={}, progress=False)
+    real = sum(f.stat().st_size for f in (tmp_path / "ok").glob("shard-*"))
+    assert 0.9 * real <= need <= 1.1 * real, (need, real)  # the estimate printed up front
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(features.shutil, "disk_usage",
+                        lambda p: usage._replace(free=need // 2))
+    ran = []
+    monkeypatch.setattr(src, "base", lambda *a, **k: ran.append(1))  # the target must not run
+    with pytest.raises(ValueError, match=r"needs about .* MB .* free.*cache_topk"):
+        features.FeatureCache(tmp_path / "big", seqs, src, batch_size=2, dtype=torch.bfloat16,
+                              fingerprint={}, progress=False)
+    assert not ran and not list((tmp_path / "big").glob("shard-*"))
+
+
+def test_bench_recipes_counts_useful_tokens_per_epoch_and_charges_the_cache():
+    from treedraft.scripts.bench_recipes import summarize
+
+    log = [{"step": 0, "heldout": {"top1": [0.1, 0.05]}},
+           {"step": 1, "epoch": 0, "tokens": 300, "tokens_per_s": 100.0, "padding": 0.25},
+           {"step": 2, "epoch": 1, "tokens": 400, "tokens_per_s": 400.0, "padding": 0.0},
+           {"step": 3, "epoch": 1, "tokens": 200, "tokens_per_s": 200.0, "padding": 0.5},
+           {"step": 3, "heldout": {"top1": [0.3, 0.2]}}]
+    r = summarize(log, extra_seconds=5.0)  # 3 + 1 + 1 s of steps, 5 s of cache
+    assert r["tokens"] == 900 and r["steps"] == 3
+    assert r["tokens_per_hour"] == pytest.approx(3600 * 900 / 10)
+    assert r["per_epoch"][0]["tokens_per_hour"] == pytest.approx(3600 * 100)
+    assert r["later_epochs_tokens_per_hour"] == pytest.approx(3600 * 300)
+    assert r["per_epoch"][1]["padding"] == pytest.approx(1 - 600 / 800)
+    assert r["padding"] == pytest.approx(1 - 900 / 1200)
+    assert r["heldout_top1"] == [0.3, 0.2]  # the last measurement, not the first
+    assert summarize(log[:2])["later_epochs_tokens_per_hour"] is None
+    with pytest.raises(ValueError, match="no training steps"):
+        summarize(log[:1])
 
 
 def test_target_features_and_labels_are_the_targets(tiny):

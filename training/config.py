@@ -88,7 +88,7 @@ class TrainConfig:
     measure_every: int = 0  # steps between teacher-forced held-out top-1/top-k per unroll depth
     #   (a target + head forward over the held-out sequences; logged as `heldout`); 0 = end only
     eval_tree: str | None = None  # None -> the head's default_tree
-    eval_max_new_tokens: int = 64
+    eval_max_new_tokens: int = 64  # 0 = no run_eval (the teacher-forced `heldout` stays)
     eval_temperature: float = 0.0
     acceptance_depth: int = 6  # depths measured for head.config.acceptance_rates (EAGLE)
     acceptance_topk: int = 8  # ranks measured per depth
@@ -118,10 +118,13 @@ class TrainConfig:
                 raise ValueError(f"{key}={getattr(self, key)!r}; valid values: {', '.join(valid)}")
         positive = ["num_prompts", "gen_max_new_tokens", "gen_batch_size", "max_seq_len",
                     "batch_size", "length_buckets", "grad_accum", "unroll_steps", "acceptance_depth",
-                    "acceptance_topk", "cache_topk", "eval_max_new_tokens"]
+                    "acceptance_topk", "cache_topk"]
         for key in positive:
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
+        if self.eval_max_new_tokens < 0:
+            raise ValueError(f"eval_max_new_tokens={self.eval_max_new_tokens} must be >= 0 "
+                             "(0 = no run_eval at the end)")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"max_steps={self.max_steps} must be >= 1 (or none: use epochs)")
         if self.max_steps is None and self.epochs <= 0:

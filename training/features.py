@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,8 +136,61 @@ def restrict_topk(labels: Labels, t2d: Tensor | None) -> tuple[Labels, Tensor]:
     return Labels(lp, ids[keep].clamp(min=0), labels.top1[keep]), keep
 
 
+HEADER_BYTES = 100  # safetensors header bytes per stored tensor (name, dtype, shape, offsets)
+
+
+def cache_bytes(seqs: list[Seq], source: TargetFeatures, dtype: torch.dtype) -> int:
+    """Disk bytes of a `FeatureCache` of `seqs` filled by `source` (features and the optional
+    final hidden state in `dtype`; per label row: top-k fp16 log-probs, int32 ids, int64 top-1)."""
+    cfg = source.model.config
+    width = cfg.hidden_size * (len(source.layer_ids) + source.need_final)
+    k = min(source.topk or cfg.vocab_size, cfg.vocab_size)
+    elem = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for s in seqs:
+        n = len(s.input_ids)
+        rows = max(0, n - 1 - max(s.prompt_len - 1, 0))  # pad_batch's label positions
+        total += n * width * elem + rows * (k * 6 + 8) + HEADER_BYTES * (4 + source.need_final)
+    return total
+
+
+TARGET_SHAPE = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")
+FINGERPRINT_NAMES = {"ids": "token ids of the training sequences (another tokenizer, data, "
+                            "max_seq_len or replies)",
+                     "target_shape": "target (" + ", ".join(TARGET_SHAPE) + ")"}
+
+
+def check_same(root: Path, cached: dict, wanted: dict) -> None:
+    """Refuse a cache built with other settings, naming each setting that differs."""
+    diffs = [f"{FINGERPRINT_NAMES.get(k, k)}: " + ("differ" if k == "ids" else
+                                                    f"{cached.get(k)!r} in the cache, "
+                                                    f"{wanted.get(k)!r} here")
+             for k in sorted(set(cached) | set(wanted)) if cached.get(k) != wanted.get(k)]
+    if diffs:
+        raise ValueError(f"{root} holds a feature cache built with other settings ("
+                         + "; ".join(diffs) + "); it is not reused: delete that folder to "
+                         "build one for these settings, or give this run another out_dir")
+
+
+def check_disk(root: Path, need: int, n: int) -> None:
+    """Print the cache's estimated size; refuse it if the disk holding `root` has less free."""
+    where = next(p for p in (root, *root.parents) if p.exists())
+    free = shutil.disk_usage(where).free
+    print(f"[treedraft] feature cache: {n} sequences, about {need / 1e6:,.0f} MB in {root} "
+          f"({free / 1e6:,.0f} MB free)", flush=True)
+    if need > free:
+        raise ValueError(f"the feature cache of {n} sequences needs about {need / 1e6:,.0f} MB "
+                         f"but {where} has {free / 1e6:,.0f} MB free: put out_dir on a larger "
+                         "disk, lower cache_topk or num_prompts, or stream the features "
+                         "(cache_features=false)")
+
+
 class FeatureCache:
-    """Sharded safetensors cache of per-sequence features and top-k labels (see module doc)."""
+    """Sharded safetensors cache of per-sequence features and top-k labels (see module doc).
+
+    A cache is reused only if it was built with the same settings (`fingerprint`, the target's
+    shape, the sequences' token ids); another one is refused with the settings that differ. Its
+    size is estimated and checked against the free disk before the target runs."""
 
     SEQS_PER_SHARD = 256
 
@@ -145,10 +199,15 @@ class FeatureCache:
                  progress: bool = True) -> None:
         self.root, self.seqs, self.t2d = Path(root), seqs, t2d
         self.need_final = source.need_final
-        fp = {**fingerprint, "ids": hashlib.sha256(
-            json.dumps([s.input_ids for s in seqs]).encode()).hexdigest()}
+        mc = source.model.config
+        fp = {**fingerprint,
+              "target_shape": [getattr(mc, k, None) for k in TARGET_SHAPE],
+              "ids": hashlib.sha256(json.dumps([s.input_ids for s in seqs]).encode()).hexdigest()}
         meta = self.root / "meta.json"
-        if not (meta.is_file() and json.loads(meta.read_text()) == fp):
+        if meta.is_file():
+            check_same(self.root, json.loads(meta.read_text()), fp)
+        else:  # new, or a build that was killed (no meta.json): (re)build it all
+            check_disk(self.root, cache_bytes(seqs, source, dtype), len(seqs))
             self._build(source, batch_size, dtype, progress)
             meta.write_text(json.dumps(fp))
         self._files: dict[int, object] = {}
@@ -158,26 +217,30 @@ class FeatureCache:
         from tqdm.auto import tqdm
 
         self.root.mkdir(parents=True, exist_ok=True)
-        shard: dict[str, Tensor] = {}
-        for start in tqdm(range(0, len(self.seqs), batch_size), desc="feature cache",
-                          disable=not progress):
-            part = self.seqs[start: start + batch_size]
-            b = source(part)
-            rows = b.label_mask.sum(1).tolist()
-            lo = 0
-            for j, s in enumerate(part):
-                i, n, hi = start + j, len(s.input_ids), lo + rows[j]
-                shard[f"{i}.features"] = b.features[j, :n].to(dtype).cpu()
-                if self.need_final:
-                    shard[f"{i}.final"] = b.final_hidden[j, :n].to(dtype).cpu()
-                shard[f"{i}.lp"] = b.labels.logprobs[lo:hi].half().cpu()
-                shard[f"{i}.ids"] = b.labels.ids[lo:hi].int().cpu()
-                shard[f"{i}.top1"] = b.labels.top1[lo:hi].cpu()
-                lo = hi
-                if (i + 1) % self.SEQS_PER_SHARD == 0 or i + 1 == len(self.seqs):
-                    save_file(shard, str(self.root / f"shard-{i // self.SEQS_PER_SHARD:05d}"
-                                                     ".safetensors"))
-                    shard = {}
+        n, per = len(self.seqs), self.SEQS_PER_SHARD
+        bar = tqdm(total=n, desc="feature cache", unit="seq", disable=not progress)
+        for first in range(0, n, per):
+            # one shard's sequences, shortest first: batched with similar lengths (little padding)
+            members = sorted(range(first, min(first + per, n)),
+                             key=lambda i: len(self.seqs[i].input_ids))
+            shard: dict[str, Tensor] = {}
+            for start in range(0, len(members), batch_size):
+                idx = members[start: start + batch_size]
+                b = source([self.seqs[i] for i in idx])
+                rows = b.label_mask.sum(1).tolist()
+                lo = 0
+                for j, i in enumerate(idx):
+                    t, hi = len(self.seqs[i].input_ids), lo + rows[j]
+                    shard[f"{i}.features"] = b.features[j, :t].to(dtype).cpu()
+                    if self.need_final:
+                        shard[f"{i}.final"] = b.final_hidden[j, :t].to(dtype).cpu()
+                    shard[f"{i}.lp"] = b.labels.logprobs[lo:hi].half().cpu()
+                    shard[f"{i}.ids"] = b.labels.ids[lo:hi].int().cpu()
+                    shard[f"{i}.top1"] = b.labels.top1[lo:hi].cpu()
+                    lo = hi
+                bar.update(len(idx))
+            save_file(shard, str(self.root / f"shard-{first // per:05d}.safetensors"))
+        bar.close()
 
     def _get(self, i: int, name: str) -> Tensor:
         from safetensors import safe_open

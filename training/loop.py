@@ -274,13 +274,13 @@ def train(cfg: TrainConfig, resume: str | os.PathLike | None = None) -> Path | N
         if cfg.unroll_curriculum and head.head_type == "eagle":
             progress = max(step / total, clock() if clock is not None else 0.0)
             objective.depth = curriculum_depth(progress, cfg.unroll_steps, cfg.unroll_curriculum)
-        t0 = time.perf_counter()
+        t0, epoch = time.perf_counter(), order.epoch
         rec = train_step(model, head, batch_fn, order, optimizer, cfg, d, autocast)
         scheduler.step()
         step += 1
         dt = time.perf_counter() - t0
         run_tokens, train_time = run_tokens + rec["tokens"], train_time + dt
-        log.write({"step": step, **rec, "lr": scheduler.get_last_lr()[0],
+        log.write({"step": step, "epoch": epoch, **rec, "lr": scheduler.get_last_lr()[0],
                    "tokens_per_s": rec["tokens"] / dt})
         # tokens/s of training so far in this run, target forward included, eval excluded
         bar.set_postfix(loss=f"{rec['loss']:.3f}", top1=f"{rec['top1'][0]:.3f}",
@@ -462,7 +462,7 @@ def evaluate(cfg: TrainConfig, loaded, head, rows, step: int, log, d: Dist) -> d
     result = None
     if d.main and rows and d.device.type != "cpu":
         logger.warning("skipping run_eval: the reference decoder (HFTarget) runs on CPU only")
-    elif d.main and rows:
+    elif d.main and rows and cfg.eval_max_new_tokens > 0:
         was_training = head.training
         head.eval()
         report = run_eval(loaded, head, rows, tree=cfg.eval_tree,
