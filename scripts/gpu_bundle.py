@@ -128,12 +128,24 @@ def _split(payload: Path, part_bytes: int) -> dict:
     return files
 
 
+def stream_on_gpu(cfg, overrides: list[str]) -> None:
+    """The GPU run streams the target's features unless the command line asks for the cache:
+    the shipped CPU recipes cache them (there the target is most of a step), while on a GPU the
+    target's forward is cheap and a cache of ~10^8 training tokens' sequences would fill disk."""
+    asked = any(o.lstrip("-").replace("-", "_").startswith("cache_features") for o in overrides)
+    if cfg.cache_features and not asked:
+        print("[bundle] cache_features=false for the GPU run (the recipe's feature cache is for "
+              "CPUs; pass --cache_features=true to keep it)", flush=True)
+        cfg.cache_features = False
+
+
 def build(out: Path, config: str | None, overrides: list[str], part_mib: int = 60) -> list[Path]:
     """Write the bundle's parts (folders part-1, part-2, ...) under `out`; returns them."""
     from treedraft.training.config import load_config
 
     cfg = load_config(config, overrides)
     cfg.validate()
+    stream_on_gpu(cfg, overrides)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} is not empty; give a new folder for the bundle")
     payload = out / "payload"

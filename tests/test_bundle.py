@@ -68,3 +68,18 @@ def test_bundle_trains_on_a_bare_machine_dry_run(tmp_path):
     proc = subprocess.run([*stage_py, str(parts[-1] / "stage.py"), "--stage", str(fresh),
                            "--run", "--out", str(tmp_path / "o2")], capture_output=True, text=True)
     assert proc.returncode != 0 and "parts [1" in proc.stderr + proc.stdout
+
+
+def test_the_gpu_run_streams_features_unless_asked_to_cache():
+    from treedraft.scripts.gpu_bundle import stream_on_gpu
+    from treedraft.training.config import load_config
+
+    recipe = "scripts/recipes/smollm2-135m-eagle.yaml"  # caches: the CPU's shipped recipe
+    assert load_config(recipe, []).cache_features
+    cfg = load_config(recipe, [])
+    stream_on_gpu(cfg, [])
+    assert cfg.cache_features is False
+    asked = ["--cache-features=true"]
+    cfg = load_config(recipe, asked)
+    stream_on_gpu(cfg, asked)
+    assert cfg.cache_features is True
