@@ -1,25 +1,31 @@
 """Old training recipe against the new one, side by side on this machine at equal wall time.
 
-    python -m treedraft.scripts.bench_recipes --minutes 25 --num-prompts 400
+    python -m treedraft.scripts.bench_recipes --minutes 20 --num-prompts 300
+    # a recipe change A/B'd at equal compute (the new recipe with and without it):
+    python -m treedraft.scripts.bench_recipes --recipes new fuse-norm --minutes 12 \
+        --variant fuse-norm='--head.fuse_norm=true'
 
 Every recipe trains the same head from scratch (`--config`, the shipped EAGLE recipe by
 default) on the same ShareGPT conversations (their own replies, no generation) with
-`treedraft train`, one after the other, each in its own process with the whole machine:
+`treedraft train`, one after the other, each in its own process with the whole machine (its
+progress bar goes to OUT/NAME.log):
 
 - `old`: the recipe before issue 13: random batches (`length_buckets=1`), the target run for
   every batch of every epoch, bf16 autocast whatever the CPU, a cosine schedule;
 - `old-dtype-auto`: the old recipe with the machine's dtype, to tell that gain from the rest;
 - `new`: the shipped recipe: a feature cache (the target runs once per sequence; later epochs
   cost only the head), length-bucketed batches, `dtype=auto` (float32 on CPUs without AMX or
-  AVX512-BF16), warmup-stable-decay.
+  AVX512-BF16), warmup-stable-decay;
+- `--variant NAME=OVERRIDES`: the new recipe plus overrides.
 
-Both schedules end with the run (`time_limit_minutes`). The new recipe's cache is built first
-(a one-step run) and its time, model loading included, is taken off the new recipe's training
-minutes, so both get the same wall time. Printed per recipe: useful (non-padding) training
-tokens per hour overall and per epoch (the target's forward included), the padded share of
-positions, and teacher-forced top-1 per unroll depth on held-out conversations at the end.
-A benchmark, not a test: numbers depend on the machine (its CPU flags are printed) and on what
-else runs on it.
+Every schedule ends with the run (`time_limit_minutes`). A cached recipe's cache is built first
+(a one-step run; a cache already in OUT/NAME/features with the same settings is reused) and that
+run's time, model loading included, is taken off its training minutes, so every recipe gets the
+same wall time. Printed per recipe: useful (non-padding) training tokens per hour overall and
+per epoch (the target's forward included where it runs), the padded share of positions, and
+teacher-forced top-1 per unroll depth on held-out conversations at the end; ratios against the
+first recipe. A benchmark, not a test: numbers depend on the machine (its CPU flags are
+printed) and on what else runs on it.
 """
 
 from __future__ import annotations
