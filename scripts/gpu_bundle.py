@@ -132,7 +132,9 @@ def stream_on_gpu(cfg, overrides: list[str]) -> None:
     """The GPU run streams the target's features unless the command line asks for the cache:
     the shipped CPU recipes cache them (there the target is most of a step), while on a GPU the
     target's forward is cheap and a cache of ~10^8 training tokens' sequences would fill disk."""
-    asked = any(o.lstrip("-").replace("-", "_").startswith("cache_features") for o in overrides)
+    from treedraft.training.config import parse_overrides
+
+    asked = "cache_features" in parse_overrides(overrides)[0]
     if cfg.cache_features and not asked:
         print("[bundle] cache_features=false for the GPU run (the recipe's feature cache is for "
               "CPUs; pass --cache_features=true to keep it)", flush=True)

@@ -65,6 +65,11 @@ class Batch:
         return idx
 
 
+def label_span(s: Seq) -> tuple[int, int]:
+    """Positions [lo, hi) of `s` that carry a label: the next token is a reply token."""
+    return max(s.prompt_len - 1, 0), len(s.input_ids) - 1
+
+
 def pad_batch(seqs: list[Seq]) -> tuple[Tensor, Tensor, Tensor]:
     """ids [B, T] (0-padded on the right), attention [B, T], label_mask [B, T]."""
     T = max(len(s.input_ids) for s in seqs)
@@ -75,7 +80,8 @@ def pad_batch(seqs: list[Seq]) -> tuple[Tensor, Tensor, Tensor]:
         n = len(s.input_ids)
         ids[b, :n] = torch.tensor(s.input_ids)
         attention[b, :n] = True
-        label_mask[b, max(s.prompt_len - 1, 0): n - 1] = True  # next token is a reply token
+        lo, hi = label_span(s)
+        label_mask[b, lo:hi] = True
     return ids, attention, label_mask
 
 
@@ -148,9 +154,9 @@ def cache_bytes(seqs: list[Seq], source: TargetFeatures, dtype: torch.dtype) -> 
     elem = torch.empty((), dtype=dtype).element_size()
     total = 0
     for s in seqs:
-        n = len(s.input_ids)
-        rows = max(0, n - 1 - max(s.prompt_len - 1, 0))  # pad_batch's label positions
-        total += n * width * elem + rows * (k * 6 + 8) + HEADER_BYTES * (4 + source.need_final)
+        lo, hi = label_span(s)
+        total += (len(s.input_ids) * width * elem + max(0, hi - lo) * (k * 6 + 8)
+                  + HEADER_BYTES * (4 + source.need_final))
     return total
 
 
