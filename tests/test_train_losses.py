@@ -197,3 +197,38 @@ def test_acceptance_rates_non_increasing():
     hits = torch.tensor([[5.0, 7.0, 1.0], [2.0, 1.0, 1.0]])
     rates = acceptance_rates(hits, torch.tensor([10.0, 4.0]))
     assert rates == [[0.5, 0.5, 0.1], [0.5, 0.25, 0.25]]
+
+
+def test_oov_rows_mask_drops_rows_whose_target_argmax_lies_outside_the_draft_vocab():
+    # EAGLE-3's recipe: a row whose target argmax the draft vocab cannot produce is left out of
+    # the loss; the metrics still count every row (held-out top-1 stays comparable)
+    head = make_eagle(draft_vocab_size=20)
+    head.set_draft_vocab(torch.randperm(V, generator=torch.Generator().manual_seed(3))[:20])
+    batch = make_batch([9, 7, 6])
+    full = batch.labels.logprobs  # [N, V] -> dense labels over the draft vocab, renormalised
+    batch.labels = Labels(torch.log_softmax(full[:, head.d2t], -1), None, full.argmax(-1))
+    inside = torch.isin(batch.labels.top1, head.d2t)
+    assert 0 < int(inside.sum()) < len(inside)  # both kinds of rows present
+    with torch.no_grad():
+        (k, out, qmask, rows), = list(eagle_unroll(head, batch, 1))
+        per_row = soft_kl(head.draft_logits(out[qmask]), batch.labels, rows)
+        keep_loss, keep_m = eagle_loss(head, batch, [1.0])
+        mask_loss, mask_m = eagle_loss(head, batch, [1.0], mask_oov=True)
+    torch.testing.assert_close(keep_loss, per_row.mean())
+    torch.testing.assert_close(mask_loss, per_row[inside[rows]].mean())
+    assert not torch.allclose(mask_loss, keep_loss)
+    assert keep_m["top1"] == mask_m["top1"]
+
+
+def test_oov_rows_is_checked_against_the_head():
+    from treedraft.training.config import TrainConfig
+    from treedraft.training.loop import Objective
+
+    with pytest.raises(ValueError, match="oov_rows='drop'; valid values: keep, mask"):
+        TrainConfig(oov_rows="drop").validate()
+    with pytest.raises(ValueError, match="oov_rows=mask needs a draft vocabulary"):
+        Objective(make_eagle(), TrainConfig(oov_rows="mask", unroll_steps=1))
+    medusa = MedusaHeads(MedusaConfig(hidden_size=H, vocab_size=V, num_heads=2, target=sig()))
+    with pytest.raises(ValueError, match="oov_rows=mask needs a draft vocabulary"):
+        Objective(medusa, TrainConfig(oov_rows="mask"))
+    assert Objective(make_eagle(draft_vocab_size=20), TrainConfig(oov_rows="mask")).mask_oov

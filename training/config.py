@@ -30,6 +30,7 @@ DTYPES = ("float32", "bfloat16")
 COMPUTE_DTYPES = ("auto", *DTYPES)  # auto: from the machine (training/machine.py)
 LONG_PROMPTS = ("error", "skip")
 SCHEDULES = ("cosine", "wsd")
+OOV_ROWS = ("keep", "mask")
 CONFIG_FILE = "train_config.json"
 
 
@@ -76,6 +77,8 @@ class TrainConfig:
     step_weights: list[float] | None = None  # weight of unroll step / Medusa head k; None -> decay**k
     step_weight_decay: float = 0.8
     feature_loss_weight: float = 0.0  # EAGLE-1 smooth-L1 regression to the target's feature
+    oov_rows: str = "keep"  # EAGLE with a draft vocab: rows whose target argmax lies outside it
+    #   keep (labels renormalised over the draft vocab) | mask (left out of the loss, EAGLE-3)
     dtype: str = "auto"  # autocast of target + head forward (and the generation copy):
     #   auto | float32 | bfloat16. bf16 is ~2x on CPUs with AMX/AVX512-bf16 and ~3.5x SLOWER
     #   on AVX2-only CPUs; auto picks bf16 only where it is fast (soft labels stay float32)
@@ -112,7 +115,8 @@ class TrainConfig:
     def validate(self) -> None:
         """Raise ValueError naming the bad key and its valid values."""
         choices = {"head_type": HEAD_TYPES, "gen_engine": GEN_ENGINES, "dtype": COMPUTE_DTYPES,
-                   "cache_dtype": DTYPES, "long_prompts": LONG_PROMPTS, "schedule": SCHEDULES}
+                   "cache_dtype": DTYPES, "long_prompts": LONG_PROMPTS, "schedule": SCHEDULES,
+                   "oov_rows": OOV_ROWS}
         for key, valid in choices.items():
             if getattr(self, key) not in valid:
                 raise ValueError(f"{key}={getattr(self, key)!r}; valid values: {', '.join(valid)}")

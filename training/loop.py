@@ -130,6 +130,11 @@ class Objective(nn.Module):
                                  "a pre-norm stream forward: set feature_loss_weight=0")
         else:
             self.weights = cfg.loss_weights(head.config.num_heads, "medusa heads")
+        self.mask_oov = cfg.oov_rows == "mask"
+        if self.mask_oov and getattr(head.config, "draft_vocab_size", None) is None:
+            raise ValueError("oov_rows=mask needs a draft vocabulary (an EAGLE head with "
+                             "head.draft_vocab_size set): this head drafts over the whole target "
+                             "vocabulary, so no row is outside it; use oov_rows=keep")
         # compiled callables only; the head module itself stays eager (drafting in run_eval)
         compile_ = (lambda f: torch.compile(f, dynamic=True)) if cfg.compile else (lambda f: f)
         self.head_forward = compile_(head.forward)
@@ -140,7 +145,7 @@ class Objective(nn.Module):
     def forward(self, batch):
         if self.head.head_type == "eagle":
             return eagle_loss(self.head, batch, self.weights[: self.depth], self.fw,
-                              self.head_forward, self.kl)
+                              self.head_forward, self.kl, self.mask_oov)
         return medusa_loss(self.head, batch, self.weights, self.kl)
 
 

@@ -96,16 +96,24 @@ def eagle_unroll(head, batch: Batch, steps: int, forward=None
 
 
 def eagle_loss(head, batch: Batch, weights: list[float], feature_loss_weight: float = 0.0,
-               forward=None, kl=soft_kl) -> tuple[Tensor, dict]:
+               forward=None, kl=soft_kl, mask_oov: bool = False) -> tuple[Tensor, dict]:
     """Weighted sum over unroll steps of mean KL (+ feature regression); metrics per step.
 
-    `forward` / `kl`: head.forward and soft_kl, or compiled versions of them."""
+    `forward` / `kl`: head.forward and soft_kl, or compiled versions of them. `mask_oov`
+    (EAGLE-3's recipe): rows whose target argmax lies outside the head's draft vocabulary are
+    left out of the loss (the head cannot produce that token); the metrics count every row."""
     total = batch.features.new_zeros(())
     kls, top1 = [], []
     for k, out, qmask, rows in eagle_unroll(head, batch, len(weights), forward):
         sel = out[qmask]  # [N, H]
         logits = head.draft_logits(sel)  # [N, Vd]
-        loss_k = kl(logits, batch.labels, rows).mean() if len(rows) else sel.sum() * 0
+        if not len(rows):
+            loss_k = sel.sum() * 0
+        elif mask_oov:
+            inside = torch.isin(batch.labels.top1[rows], head.d2t).to(logits.dtype)
+            loss_k = (kl(logits, batch.labels, rows) * inside).sum() / inside.sum().clamp(min=1)
+        else:
+            loss_k = kl(logits, batch.labels, rows).mean()
         if feature_loss_weight and batch.final_hidden is not None and len(rows):
             target = batch.final_hidden[:, 1:][qmask]  # f_{t+1}
             loss_k = loss_k + feature_loss_weight * F.smooth_l1_loss(sel.float(), target)
