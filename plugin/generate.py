@@ -10,11 +10,12 @@ from __future__ import annotations
 
 
 def llm_kwargs(loaded, cfg) -> dict:
-    """`vllm.LLM` arguments of the generation engine. The dtype is the run's compute dtype
-    (`dtype=auto` resolved for this machine): vLLM's own default is the checkpoint's dtype
-    (bf16 for SmolLM2), ~3.5x slower on AVX2-only CPUs, and its greedy replies would differ from
-    the float32 target the head is later evaluated against."""
-    return {"model": loaded.path, "seed": cfg.seed, "dtype": cfg.compute_dtype(),
+    """`vllm.LLM` arguments of the generation engine. The dtype is the run's `dtype` resolved
+    for serving on this machine (`auto`: bf16 where vLLM's kernels run it fast, AMX or
+    AVX512-BF16; float32 elsewhere), the dtype the head is later served and evaluated with:
+    vLLM's own default is the checkpoint's dtype (bf16 for SmolLM2), ~3.5x slower on AVX2-only
+    CPUs."""
+    return {"model": loaded.path, "seed": cfg.seed, "dtype": cfg.compute_dtype(workload="serve"),
             "max_model_len": cfg.max_seq_len + cfg.gen_max_new_tokens}
 
 

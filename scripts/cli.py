@@ -50,13 +50,14 @@ def cmd_model(args: argparse.Namespace) -> None:
 
 def _machine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", action="store_true",
-                   help="print only the dtype this machine computes fastest (for vllm --dtype)")
+                   help="print only the dtype this machine serves fastest (for vllm --dtype)")
 
 
 @command("machine", _machine_args)
 def cmd_machine(args: argparse.Namespace) -> None:
     """This CPU's model, the ISA flags that matter (avx2, avx512_f, avx512_bf16, amx_bf16) and
-    the dtype treedraft picks from them: bfloat16 with AMX/AVX512-BF16, float32 otherwise."""
+    the dtypes treedraft picks from them: serving (vLLM's kernels) bfloat16 with AMX or
+    AVX512-BF16, training (torch's GEMMs) bfloat16 with AMX only; float32 otherwise."""
     from treedraft.training.machine import default_dtype, describe
 
     print(default_dtype() if args.dtype else describe())

@@ -1,6 +1,8 @@
-"""The machine decides the dtype: bf16 only where the CPU has it in hardware (AMX or
-AVX512-BF16), float32 on AVX2-only CPUs; the user's choice always wins. Both branches run on
-every machine (the CPU is described, not probed), and the probe itself reads this machine."""
+"""The machine and the workload decide the dtype: serving (vLLM's kernels) in bf16 where the CPU
+has it in hardware (AMX or AVX512-BF16), training (torch's GEMMs) in bf16 only with AMX (with
+AVX512-BF16 alone torch's bf16 GEMMs are slower than float32, measured), float32 on AVX2-only
+CPUs; the user's choice always wins. Every branch runs on every machine (the CPU is described,
+not probed), and the probe itself reads this machine."""
 
 import pytest
 
@@ -12,12 +14,24 @@ AVX512_BF16 = CpuInfo("AMD EPYC Genoa (test)", frozenset({"avx2", "avx512_f", "a
 AVX2 = CpuInfo("AMD EPYC (test)", frozenset({"avx2"}))
 
 
-@pytest.mark.parametrize(("info", "want"), [(AMX, "bfloat16"), (AVX512_BF16, "bfloat16"),
-                                            (AVX2, "float32")])
-def test_auto_dtype_follows_the_cpu(info, want):
-    assert default_dtype("cpu", info) == want
-    assert resolve_dtype("auto", "cpu", info) == want
-    assert f"default dtype {want}" in describe(info)
+@pytest.mark.parametrize(("info", "serve", "train"), [
+    (AMX, "bfloat16", "bfloat16"), (AVX512_BF16, "bfloat16", "float32"),
+    (AVX2, "float32", "float32")])
+def test_auto_dtype_follows_the_cpu_and_the_workload(info, serve, train):
+    assert default_dtype("cpu", info) == default_dtype("cpu", info, "serve") == serve
+    assert resolve_dtype("auto", "cpu", info) == resolve_dtype("auto", "cpu", info, "serve") == serve
+    assert default_dtype("cpu", info, "train") == resolve_dtype("auto", "cpu", info, "train") == train
+    assert f"(dtype: serving {serve}, training {train})" in describe(info)
+
+
+def test_training_config_resolves_auto_for_training(monkeypatch):
+    from treedraft.training import machine
+
+    monkeypatch.setattr(machine, "cpu_info", lambda: AVX512_BF16)
+    cfg = TrainConfig(dtype="auto")
+    assert cfg.compute_dtype() == "float32"  # torch's autocast GEMMs: AMX only
+    assert cfg.compute_dtype(workload="serve") == "bfloat16"  # a vLLM generation engine
+    assert TrainConfig(dtype="bfloat16").compute_dtype() == "bfloat16"
 
 
 @pytest.mark.parametrize("info", [AMX, AVX2])
@@ -29,6 +43,8 @@ def test_the_users_dtype_wins(info):
 def test_bad_dtype_is_refused_with_the_choices():
     with pytest.raises(ValueError, match="'fp8'.*auto, float32, bfloat16"):
         resolve_dtype("fp8")
+    with pytest.raises(ValueError, match="workload 'infer'; valid values: serve, train"):
+        default_dtype("cpu", AVX2, "infer")
     with pytest.raises(ValueError, match="dtype='fp8'"):
         TrainConfig(dtype="fp8").validate()
 
@@ -39,6 +55,7 @@ def test_this_machine_is_described_with_the_flags_that_matter():
     for flag in ("avx2", "avx512_f", "avx512_bf16", "amx_bf16"):
         assert f"{flag} {'yes' if flag in info.flags else 'no'}" in line
     assert info.fast_bf16 == bool({"amx_bf16", "avx512_bf16"} & info.flags)
-    # the training default is 'auto' and resolves to this machine's choice
+    assert info.fast_bf16_training == ("amx_bf16" in info.flags)
+    # the training default is 'auto' and resolves to this machine's choice for training
     assert TrainConfig().dtype == "auto"
-    assert TrainConfig().compute_dtype() == default_dtype("cpu", info)
+    assert TrainConfig().compute_dtype() == default_dtype("cpu", info, "train")

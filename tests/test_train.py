@@ -458,9 +458,10 @@ def test_recipes_load_and_validate(recipe):
 
 
 @pytest.mark.parametrize("dtype", ["auto", "float32", "bfloat16"])
-def test_vllm_generation_engine_runs_in_the_runs_compute_dtype(dtype):
+def test_vllm_generation_engine_runs_in_the_runs_serving_dtype(dtype):
     """vLLM's default is the checkpoint's dtype (bf16 for SmolLM2): ~3.5x slower on AVX2-only
-    CPUs, and its greedy replies are not the float32 target's. The engine takes the run's dtype."""
+    CPUs. The engine takes the run's dtype as resolved for serving on this machine (the dtype
+    the head is served and evaluated with)."""
     from types import SimpleNamespace
 
     from treedraft.plugin.generate import llm_kwargs
@@ -468,5 +469,5 @@ def test_vllm_generation_engine_runs_in_the_runs_compute_dtype(dtype):
 
     cfg = TrainConfig(dtype=dtype, max_seq_len=100, gen_max_new_tokens=28)
     kwargs = llm_kwargs(SimpleNamespace(path="/some/target"), cfg)
-    assert kwargs["dtype"] == resolve_dtype(dtype) == cfg.compute_dtype()
+    assert kwargs["dtype"] == resolve_dtype(dtype) == cfg.compute_dtype(workload="serve")
     assert kwargs["model"] == "/some/target" and kwargs["max_model_len"] == 128

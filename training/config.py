@@ -80,8 +80,9 @@ class TrainConfig:
     oov_rows: str = "keep"  # EAGLE with a draft vocab: rows whose target argmax lies outside it
     #   keep (labels renormalised over the draft vocab) | mask (left out of the loss, EAGLE-3)
     dtype: str = "auto"  # autocast of target + head forward (and the generation copy):
-    #   auto | float32 | bfloat16. bf16 is ~2x on CPUs with AMX/AVX512-bf16 and ~3.5x SLOWER
-    #   on AVX2-only CPUs; auto picks bf16 only where it is fast (soft labels stay float32)
+    #   auto | float32 | bfloat16. bf16 is ~2x on CPUs with AMX, 1.4x SLOWER with AVX512-BF16
+    #   and no AMX, ~3.5x SLOWER on AVX2-only CPUs; auto picks bf16 only where it is fast for
+    #   the job (training: AMX; vLLM generation: AMX or AVX512-BF16); soft labels stay float32
     num_threads: int | None = None  # torch intra-op threads; None = torch's default. On a
     #   shared CPU, fewer threads than cores avoids OpenMP oversubscription (10x slowdowns)
     compile: bool = False  # torch.compile target forward, head forward and KL: ~5 min of
@@ -144,11 +145,12 @@ class TrainConfig:
         if self.data == "mtbench":
             raise ValueError("data=mtbench: MT-bench is the evaluation set, never train on it")
 
-    def compute_dtype(self, device: Any = "cpu") -> str:
-        """`dtype` with 'auto' resolved for this machine ('bfloat16' or 'float32')."""
+    def compute_dtype(self, device: Any = "cpu", workload: str = "train") -> str:
+        """`dtype` with 'auto' resolved for this machine ('bfloat16' or 'float32'): training's
+        torch GEMMs by default, `workload='serve'` for a vLLM engine (generation)."""
         from .machine import resolve_dtype
 
-        return resolve_dtype(self.dtype, device)
+        return resolve_dtype(self.dtype, device, workload=workload)
 
     def loss_weights(self, n: int, what: str) -> list[float]:
         """Weight of each of the n loss terms (EAGLE unroll steps / Medusa heads)."""
