@@ -14,8 +14,8 @@ progress bar goes to OUT/NAME.log):
   every batch of every epoch, bf16 autocast whatever the CPU, a cosine schedule;
 - `old-dtype-auto`: the old recipe with the machine's dtype, to tell that gain from the rest;
 - `new`: the shipped recipe: a feature cache (the target runs once per sequence; later epochs
-  cost only the head), length-bucketed batches, `dtype=auto` (float32 on CPUs without AMX or
-  AVX512-BF16), warmup-stable-decay;
+  cost only the head), length-bucketed batches, `dtype=auto` (training: float32 on CPUs without AMX),
+  warmup-stable-decay;
 - `--variant NAME=OVERRIDES`: the new recipe plus overrides.
 
 Every schedule ends with the run (`time_limit_minutes`). A cached recipe's cache is built first
