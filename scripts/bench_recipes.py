@@ -4,6 +4,9 @@
     # a recipe change A/B'd at equal compute (the new recipe with and without it):
     python -m treedraft.scripts.bench_recipes --recipes new fuse-norm --minutes 12 \
         --variant fuse-norm='--head.fuse_norm=true'
+    # the same A/B reading a cache already built for these prompts (each trains 12 minutes):
+    python -m treedraft.scripts.bench_recipes --recipes new fuse-norm --minutes 12 \
+        --variant fuse-norm='--head.fuse_norm=true' --cache-from runs/bench_recipes/new/features
 
 Every recipe trains the same head from scratch (`--config`, the shipped EAGLE recipe by
 default) on the same ShareGPT conversations (their own replies, no generation) with
@@ -21,7 +24,10 @@ progress bar goes to OUT/NAME.log):
 Every schedule ends with the run (`time_limit_minutes`). A cached recipe's cache is built first
 (a one-step run; a cache already in OUT/NAME/features with the same settings is reused) and that
 run's time, model loading included, is taken off its training minutes, so every recipe gets the
-same wall time. Printed per recipe: useful (non-padding) training tokens per hour overall and
+same wall time. With `--cache-from DIR` (a cache built for the same prompts and settings, e.g.
+an earlier run's `features/`) every cached recipe hard-links it instead and trains its full
+minutes: an A/B at equal training compute (a cache of other settings is refused by the run,
+naming them). Printed per recipe: useful (non-padding) training tokens per hour overall and
 per epoch (the target's forward included where it runs), the padded share of positions, and
 teacher-forced top-1 per unroll depth on held-out conversations at the end; ratios against the
 first recipe. A benchmark, not a test: numbers depend on the machine (its CPU flags are
@@ -81,6 +87,18 @@ def summarize(records: list[dict], extra_seconds: float = 0.0) -> dict:
             "heldout_top1": heldout[-1] if heldout else None}
 
 
+def link_cache(src: Path, dst: Path) -> None:
+    """Hard-link the built feature cache `src` into a run's `dst` (no copy; read-only use)."""
+    import os
+    import shutil
+
+    if not (src / "meta.json").is_file():
+        raise SystemExit(f"--cache-from {src}: no meta.json there, so no finished feature cache "
+                         "(give a run's features/ folder, built with the same prompts)")
+    if not dst.exists():
+        shutil.copytree(src, dst, copy_function=os.link)
+
+
 def train(args: list[str], log: Path) -> float:
     """`treedraft train ARGS` in a fresh process; its wall seconds (fails loudly)."""
     cmd = [sys.executable, "-m", "treedraft.scripts.cli", "train", *args]
@@ -108,6 +126,9 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=OVERRIDES",
                     help="a recipe change to A/B: the new recipe plus space-separated "
                     "overrides, e.g. fuse-norm='--head.fuse_norm=true' (repeatable)")
+    ap.add_argument("--cache-from", type=Path, default=None, metavar="DIR",
+                    help="a finished feature cache for these prompts (a run's features/ folder): "
+                    "hard-linked into every cached recipe, not built and not charged")
     ap.add_argument("--out", default="runs/bench_recipes")
     ap.add_argument("overrides", nargs="*", help="--key=value TrainConfig overrides for both "
                     "recipes (after --)")
@@ -139,7 +160,9 @@ def main() -> None:
         args = [*common, *recipes[name], f"--out_dir={run_dir}"]
         extra = 0.0
         print(f"[bench_recipes] recipe {name} (output: {log})", flush=True)
-        if "--cache_features=true" in recipes[name]:  # the cache is built in the wall time
+        if "--cache_features=true" in recipes[name] and a.cache_from:
+            link_cache(a.cache_from, run_dir / "features")
+        elif "--cache_features=true" in recipes[name]:  # the cache is built in the wall time
             extra = train([*args, "--max_steps=1"], log)
             print(f"[bench_recipes] feature cache + one step: {extra / 60:.1f} min", flush=True)
         minutes = a.minutes - extra / 60

@@ -331,6 +331,22 @@ def test_bench_recipes_counts_useful_tokens_per_epoch_and_charges_the_cache():
         summarize(log[:1])
 
 
+def test_bench_recipes_links_a_finished_cache_and_refuses_an_unfinished_one(tmp_path):
+    from treedraft.scripts.bench_recipes import link_cache
+
+    src = tmp_path / "built" / "features"
+    src.mkdir(parents=True)
+    (src / "shard-00000.safetensors").write_bytes(b"x" * 10)
+    with pytest.raises(SystemExit, match="no meta.json there"):  # a killed build
+        link_cache(src, tmp_path / "a" / "features")
+    assert not (tmp_path / "a").exists()
+    (src / "meta.json").write_text("{}")
+    link_cache(src, tmp_path / "a" / "features")
+    linked = tmp_path / "a" / "features" / "shard-00000.safetensors"
+    assert linked.stat().st_ino == (src / "shard-00000.safetensors").stat().st_ino  # no copy
+    assert (tmp_path / "a" / "features" / "meta.json").read_text() == "{}"
+
+
 def test_target_features_and_labels_are_the_targets(tiny):
     from treedraft.training.target import load_target
 
