@@ -17,8 +17,8 @@ progress bar goes to OUT/NAME.log):
   every batch of every epoch, bf16 autocast whatever the CPU, a cosine schedule;
 - `old-dtype-auto`: the old recipe with the machine's dtype, to tell that gain from the rest;
 - `new`: the shipped recipe: a feature cache (the target runs once per sequence; later epochs
-  cost only the head), length-bucketed batches, `dtype=auto` (training: float32 on CPUs without AMX),
-  warmup-stable-decay;
+  cost only the head), length-bucketed batches, `dtype=auto` (training: float32 on CPUs
+  without AMX), warmup-stable-decay;
 - `--variant NAME=OVERRIDES`: the new recipe plus overrides.
 
 Every schedule ends with the run (`time_limit_minutes`). A cached recipe's cache is built first
@@ -160,9 +160,10 @@ def main() -> None:
         args = [*common, *recipes[name], f"--out_dir={run_dir}"]
         extra = 0.0
         print(f"[bench_recipes] recipe {name} (output: {log})", flush=True)
-        if "--cache_features=true" in recipes[name] and a.cache_from:
+        cached = "--cache_features=true" in recipes[name]
+        if cached and a.cache_from:  # built before: not charged
             link_cache(a.cache_from, run_dir / "features")
-        elif "--cache_features=true" in recipes[name]:  # the cache is built in the wall time
+        elif cached:  # the cache is built in the wall time
             extra = train([*args, "--max_steps=1"], log)
             print(f"[bench_recipes] feature cache + one step: {extra / 60:.1f} min", flush=True)
         minutes = a.minutes - extra / 60

@@ -104,14 +104,16 @@ def eagle_loss(head, batch: Batch, weights: list[float], feature_loss_weight: fl
     left out of the loss (the head cannot produce that token); the metrics count every row."""
     total = batch.features.new_zeros(())
     kls, top1 = [], []
+    # [N_labels] the target's argmax is draftable: per label row, the same at every unroll step
+    inside = torch.isin(batch.labels.top1, head.d2t) if mask_oov else None
     for k, out, qmask, rows in eagle_unroll(head, batch, len(weights), forward):
         sel = out[qmask]  # [N, H]
         logits = head.draft_logits(sel)  # [N, Vd]
         if not len(rows):
             loss_k = sel.sum() * 0
-        elif mask_oov:
-            inside = torch.isin(batch.labels.top1[rows], head.d2t).to(logits.dtype)
-            loss_k = (kl(logits, batch.labels, rows) * inside).sum() / inside.sum().clamp(min=1)
+        elif inside is not None:
+            w = inside[rows].to(logits.dtype)
+            loss_k = (kl(logits, batch.labels, rows) * w).sum() / w.sum().clamp(min=1)
         else:
             loss_k = kl(logits, batch.labels, rows).mean()
         if feature_loss_weight and batch.final_hidden is not None and len(rows):
