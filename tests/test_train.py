@@ -404,11 +404,51 @@ def test_config_file_and_overrides(tmp_path):
     (["--head_type=lstm"], r"head_type='lstm'; valid values: eagle, medusa"),
     (["--gen_engine=sglang"], r"gen_engine='sglang'; valid values: transformers, vllm"),
     (["--data=mtbench"], r"never train on it"),
+    (["--gen_temperatures=[0,-1]"], r"gen_temperatures=\[0.0, -1.0\] must be a non-empty list"),
+    (["--gen_temperatures=[]"], r"gen_temperatures=\[\] must be a non-empty list"),
+    (["--gen_temperature=-0.5"], r"gen_temperature=-0.5 must be >= 0"),
     (["lr=1"], r"must look like --key=value"),
 ])
 def test_bad_config_errors(over, match):
     with pytest.raises(ValueError, match=match):
         load_config(None, over)
+
+
+def test_gen_temperatures_mix_round_robin_with_a_cache_per_temperature(tiny, tmp_path,
+                                                                        monkeypatch):
+    from treedraft.training.data import load_prompts
+    from treedraft.training.target import load_target
+
+    target, prompts = tiny
+    ds = load_prompts(prompts, purpose="train", limit=6)
+    rows = list(zip(ds["id"], ds["messages"], strict=True))
+    loaded, data = load_target(target), tmp_path / "data"
+    calls = []
+    real = generate.transformers_engine
+
+    def counting(loaded, cfg):
+        gen = real(loaded, cfg)
+
+        def run(prompts, temperature):
+            calls.append((len(prompts), temperature))
+            return gen(prompts, temperature)
+        return run
+
+    monkeypatch.setattr(generate, "transformers_engine", counting)
+    mix = generate.build_sequences(loaded, rows, cfg_of(tiny, tmp_path, gen_temperatures="[0,1]"),
+                                   data)
+    assert len(mix) == 6 and calls == [(3, 0.0), (3, 1.0)]  # one engine, a call per temperature
+    files = {}
+    for path in data.glob("gen-*.jsonl"):
+        head, *lines = path.read_text().splitlines()
+        files[json.loads(head)["meta"]["temperature"]] = sorted(json.loads(ln)["id"] for ln in lines)
+    assert files == {0.0: sorted(r for r, _ in rows[0::2]), 1.0: sorted(r for r, _ in rows[1::2])}
+    # a single greedy run shares the T=0 cache: only the other three prompts are generated
+    calls.clear()
+    greedy = generate.build_sequences(loaded, rows, cfg_of(tiny, tmp_path, gen_temperature=0), data)
+    assert calls == [(3, 0.0)]
+    same = {s.id: s.input_ids for s in greedy}
+    assert all(same[s.id] == s.input_ids for s in mix if s.id in files[0.0])
 
 
 def test_cli_reports_bad_input_as_error_line(tmp_path):

@@ -53,6 +53,9 @@ class TrainConfig:
     regenerate: bool = True  # self-distillation: the target writes the replies
     gen_engine: str = "transformers"  # transformers | vllm
     gen_temperature: float = 0.7
+    gen_temperatures: list[float] | None = None  # a mix, e.g. [0, 1]: prompt i's reply is
+    #   written at gen_temperatures[i % n] (the temperatures the head will serve); replaces
+    #   gen_temperature. Each temperature has its own reply cache (shared with single-T runs)
     gen_max_new_tokens: int = 256
     gen_batch_size: int = 16
     max_seq_len: int = 1024  # prompt + reply tokens; longer sequences are cut
@@ -127,6 +130,12 @@ class TrainConfig:
         for key in positive:
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
+        temps = [self.gen_temperature] if self.gen_temperatures is None else self.gen_temperatures
+        if not temps or any(t < 0 for t in temps):
+            raise ValueError(f"gen_temperatures={self.gen_temperatures!r} must be a non-empty list "
+                             "of temperatures >= 0 (0 = greedy), e.g. --gen_temperatures=[0,1]"
+                             if self.gen_temperatures is not None else
+                             f"gen_temperature={self.gen_temperature} must be >= 0 (0 = greedy)")
         if self.eval_max_new_tokens < 0:
             raise ValueError(f"eval_max_new_tokens={self.eval_max_new_tokens} must be >= 0 "
                              "(0 = no run_eval at the end)")

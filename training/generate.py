@@ -7,7 +7,8 @@ Features
   batched, at `gen_temperature`. Engines are a lazy registry of "module:function" strings:
   "transformers" (here, left-padded batched `generate`) and "vllm" (plugin/generate.py; only
   plugin/ imports vllm). An engine factory gets (loaded target, cfg) and returns
-  `generate(prompts: list[list[int]]) -> list[list[int]]` (replies, EOS kept if produced).
+  `generate(prompts: list[list[int]], temperature) -> list[list[int]]` (replies, EOS kept if
+  produced). `gen_temperatures` mixes temperatures (prompt i at temperatures[i % n]).
 - Replies are cached as JSONL in out_dir/data/gen-<hash>.jsonl (hash of target, engine and
   sampling settings), appended batch by batch: a killed generation or a re-run only generates
   what is missing. Token ids only: small, not a hidden-state dump.
@@ -133,36 +134,51 @@ def read_cache(path: Path) -> dict[str, list[int]]:
 
 def regenerate(loaded, prompts: list[tuple[str, list[int]]], cfg: TrainConfig,
                data_dir: Path | None) -> dict[str, list[int]]:
-    """Replies by the target to each prompt, from the cache where present."""
+    """Replies by the target to each prompt, from the cache where present. With
+    `gen_temperatures` prompt i is answered at temperatures[i % n]; each temperature has its own
+    cache file (the one a single-temperature run with the same settings uses)."""
+    from dataclasses import replace
+
     from tqdm.auto import tqdm
 
-    path, meta = (None, None) if data_dir is None else _cache_path(loaded, cfg, data_dir)
-    done = read_cache(path) if path else {}
-    todo = [(rid, ids) for rid, ids in prompts if rid not in done]
-    if not todo:
+    temps = cfg.gen_temperatures or [cfg.gen_temperature]
+    done: dict[str, list[int]] = {}
+    groups = []  # (temperature, cache path, meta, prompts to generate)
+    for j, t in enumerate(temps):
+        part = prompts[j::len(temps)]
+        path, meta = (None, None) if data_dir is None else _cache_path(
+            loaded, replace(cfg, gen_temperature=t, gen_temperatures=None), data_dir)
+        cached = read_cache(path) if path else {}
+        done.update({rid: cached[rid] for rid, _ in part if rid in cached})
+        todo = [(rid, ids) for rid, ids in part if rid not in cached]
+        # Longest first, so each batch holds similar lengths (less left padding).
+        todo.sort(key=lambda p: -len(p[1]))
+        if todo:
+            groups.append((t, path, meta, todo))
+    if not groups:
         return done
-    # Longest first, so each batch holds similar lengths (less left padding).
-    todo.sort(key=lambda p: -len(p[1]))
     module, fn = ENGINES[cfg.gen_engine].split(":")
     generate = getattr(importlib.import_module(module), fn)(loaded, cfg)
     chunk = cfg.gen_batch_size if cfg.gen_engine == "transformers" else 64 * cfg.gen_batch_size
-    if path:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if not path.exists():
-            path.write_text(json.dumps({"meta": meta}) + "\n")
-    bar = tqdm(total=len(todo), desc=f"self-distill ({cfg.gen_engine})", unit="prompt",
-               disable=not cfg.progress)
-    for i in range(0, len(todo), chunk):
-        part = todo[i: i + chunk]
-        replies = generate([ids for _, ids in part])
-        lines = []
-        for (rid, _), reply in zip(part, replies, strict=True):
-            done[rid] = reply
-            lines.append(json.dumps({"id": rid, "reply": reply}) + "\n")
+    temp_note = "" if len(temps) == 1 else f", T={'/'.join(f'{t:g}' for t in temps)}"
+    bar = tqdm(total=sum(len(g[3]) for g in groups), unit="prompt", disable=not cfg.progress,
+               desc=f"self-distill ({cfg.gen_engine}{temp_note})")
+    for t, path, meta, todo in groups:
         if path:
-            with path.open("a") as f:
-                f.writelines(lines)
-        bar.update(len(part))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if not path.exists():
+                path.write_text(json.dumps({"meta": meta}) + "\n")
+        for i in range(0, len(todo), chunk):
+            part = todo[i: i + chunk]
+            replies = generate([ids for _, ids in part], t)
+            lines = []
+            for (rid, _), reply in zip(part, replies, strict=True):
+                done[rid] = reply
+                lines.append(json.dumps({"id": rid, "reply": reply}) + "\n")
+            if path:
+                with path.open("a") as f:
+                    f.writelines(lines)
+            bar.update(len(part))
     bar.close()
     return done
 
@@ -181,16 +197,16 @@ def transformers_engine(loaded, cfg: TrainConfig):
         model = copy.deepcopy(model).to(torch.bfloat16)
     eos = tok.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos
-    greedy = cfg.gen_temperature == 0
-    gen_cfg = GenerationConfig(
-        max_new_tokens=cfg.gen_max_new_tokens, do_sample=not greedy,
-        temperature=None if greedy else cfg.gen_temperature, top_k=None, top_p=None,
-        eos_token_id=eos, pad_token_id=pad)
     device = next(model.parameters()).device
     calls = [0]
 
     @torch.inference_mode()
-    def generate(prompts: list[list[int]]) -> list[list[int]]:
+    def generate(prompts: list[list[int]], temperature: float) -> list[list[int]]:
+        greedy = temperature == 0
+        gen_cfg = GenerationConfig(
+            max_new_tokens=cfg.gen_max_new_tokens, do_sample=not greedy,
+            temperature=None if greedy else temperature, top_k=None, top_p=None,
+            eos_token_id=eos, pad_token_id=pad)
         width = max(map(len, prompts))
         ids = torch.full((len(prompts), width), pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
