@@ -37,7 +37,7 @@ def vllm_engine(loaded, cfg):
         # vLLM's own bar: a chunk is up to 64 x gen_batch_size prompts (the engine kept full),
         # minutes of work on a CPU that the caller's per-chunk bar would not show moving.
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                            use_tqdm=bool(getattr(cfg, "progress", True)))
+                            use_tqdm=cfg.progress)
         replies = []
         for o in outs:
             ids = list(o.outputs[0].token_ids)

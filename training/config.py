@@ -130,7 +130,7 @@ class TrainConfig:
         for key in positive:
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
-        temps = [self.gen_temperature] if self.gen_temperatures is None else self.gen_temperatures
+        temps = self.reply_temperatures()
         if not temps or any(t < 0 for t in temps):
             raise ValueError(f"gen_temperatures={self.gen_temperatures!r} must be a non-empty list "
                              "of temperatures >= 0 (0 = greedy), e.g. --gen_temperatures=[0,1]"
@@ -153,6 +153,11 @@ class TrainConfig:
             raise ValueError(f"eval_prompts={self.eval_prompts} must be >= 0")
         if self.data == "mtbench":
             raise ValueError("data=mtbench: MT-bench is the evaluation set, never train on it")
+
+    def reply_temperatures(self) -> list[float]:
+        """The temperatures self-distillation writes replies at: `gen_temperatures` (prompt i at
+        the i-th mod n) or the single `gen_temperature`."""
+        return [self.gen_temperature] if self.gen_temperatures is None else self.gen_temperatures
 
     def compute_dtype(self, device: Any = "cpu", workload: str = "train") -> str:
         """`dtype` with 'auto' resolved for this machine ('bfloat16' or 'float32'): training's

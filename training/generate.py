@@ -141,7 +141,7 @@ def regenerate(loaded, prompts: list[tuple[str, list[int]]], cfg: TrainConfig,
 
     from tqdm.auto import tqdm
 
-    temps = cfg.gen_temperatures or [cfg.gen_temperature]
+    temps = cfg.reply_temperatures()
     done: dict[str, list[int]] = {}
     groups = []  # (temperature, cache path, meta, prompts to generate)
     for j, t in enumerate(temps):
