@@ -15,7 +15,7 @@ everything else, cut into parts that each fit one transfer:
 Contents: treedraft's code (heads/, training/, scripts/, plugin/; a tarball), the wheels training
 needs that such a machine lacks (`datasets`, `gguf` and what they need, for CPython 3.12 on
 manylinux x86_64), the target (an embedded GGUF, or a local Hugging Face folder), the training
-prompts exactly as this config selects them (MT-bench rows already dropped) as JSONL, and the
+prompts exactly as this config selects them (MT-bench rows already dropped) as gzipped JSONL, and the
 config. Files larger than a part are split into chunks; `manifest.json` holds every file's size
 and sha256. On the GPU, `stage.py` (standalone: it imports nothing of treedraft) reassembles and
 checks the files, names any missing part or missing preinstalled package, installs the bundled
@@ -27,6 +27,7 @@ and its log back as pieces of at most 15 MiB.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import shutil
@@ -44,20 +45,26 @@ GPU_HAS = {"torch", "transformers", "safetensors", "tokenizers", "accelerate", "
            "markupsafe", "networkx", "sympy", "mpmath", "typing-extensions", "regex", "psutil",
            "setuptools", "triton", "hf-xet", "httpx", "httpcore", "anyio", "h11", "sniffio",
            "certifi", "idna", "typer", "click", "shellingham", "rich", "markdown-it-py", "mdurl",
-           "pygments", "annotated-doc"}
+           "pygments", "annotated-doc", "pandas", "requests", "urllib3", "charset-normalizer",
+           "python-dateutil", "six", "xxhash", "aiohttp", "aiosignal", "aiohappyeyeballs", "attrs",
+           "frozenlist", "multidict", "yarl", "propcache", "pyarrow"}
 NEEDED = ("datasets", "gguf")  # what training imports beyond GPU_HAS
 CODE_PACKAGES = ("heads", "training", "scripts", "plugin")  # treedraft.<name>
 
 
 def _code_tarball(dest: Path) -> None:
-    """treedraft's importable code as treedraft/<pkg>/..., without caches."""
+    """treedraft's importable code as treedraft/<pkg>/..., without caches and without the head
+    zoo's weights (~40 MB; a zoo head named by init_from travels on its own)."""
     import importlib
+
+    def keep(t: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        zoo_weights = "/zoo/" in t.name and t.name.endswith(".safetensors")
+        return None if "__pycache__" in t.name or zoo_weights else t
 
     with tarfile.open(dest, "w:gz") as tar:
         for name in CODE_PACKAGES:
             root = Path(importlib.import_module(f"treedraft.{name}").__file__).parent
-            tar.add(root, arcname=f"treedraft/{name}",
-                    filter=lambda t: None if "__pycache__" in t.name else t)
+            tar.add(root, arcname=f"treedraft/{name}", filter=keep)
 
 
 def _wheels(dest: Path) -> None:
@@ -98,13 +105,16 @@ def _target_files(target: str, dest: Path) -> str:
 
 
 def _prompts(cfg, dest: Path) -> None:
-    """The rows this config trains and evaluates on, in order, as JSONL (ids kept)."""
+    """The rows this config trains and evaluates on, in order, as gzipped JSONL (ids kept); with
+    regenerate only their first turn (the prompt: the target writes the reply)."""
+    from treedraft.training.data import first_turn
     from treedraft.training.loop import load_rows
 
     train_rows, eval_rows = load_rows(cfg)
-    with dest.open("w", encoding="utf-8") as f:
-        for row in [*train_rows, *eval_rows]:
-            f.write(json.dumps({"id": row[0], "messages": row[1]}) + "\n")
+    with gzip.open(dest, "wt", encoding="utf-8") as f:
+        for rid, messages in [*train_rows, *eval_rows]:
+            messages = first_turn(messages) if cfg.regenerate else messages
+            f.write(json.dumps({"id": rid, "messages": messages}) + "\n")
 
 
 def _split(payload: Path, part_bytes: int) -> dict:
@@ -155,11 +165,13 @@ def build(out: Path, config: str | None, overrides: list[str], part_mib: int = 6
     _code_tarball(payload / "code.tar.gz")
     _wheels(payload / "wheels")
     target = _target_files(cfg.target, payload)
-    _prompts(cfg, payload / "prompts.jsonl")
-    run_cfg = {**cfg.to_dict(), "target": target, "data": "{stage}/prompts.jsonl",
+    _prompts(cfg, payload / "prompts.jsonl.gz")
+    run_cfg = {**cfg.to_dict(), "target": target, "data": "{stage}/prompts.jsonl.gz",
                "out_dir": "{stage}/run", "data_dir": None}
-    if cfg.init_from and Path(cfg.init_from).expanduser().is_dir():  # a head folder: ship it
-        shutil.copytree(Path(cfg.init_from).expanduser(), payload / "init_from")
+    if cfg.init_from:  # a head folder or a zoo name: ship the head (the code carries no weights)
+        from treedraft.training.heads_zoo import resolve_head
+
+        shutil.copytree(resolve_head(cfg.init_from), payload / "init_from")
         run_cfg["init_from"] = "{stage}/init_from"
     (payload / "config.json").write_text(json.dumps(run_cfg, indent=1))
     part_bytes = part_mib * MiB - MiB  # room for stage.py and the manifest

@@ -4,6 +4,12 @@ the head back. Standalone: runs on a machine where treedraft is not installed.
     python part-1/stage.py                           # copy this part to the stage folder
     python part-2/stage.py --run --out "$OUT"        # last part: check, install, train, write back
     python part-2/stage.py --run --out "$OUT" -- --max_steps=100    # extra `treedraft train` args
+    python part-2/stage.py --run --out "$OUT" --limit-minutes 8     # train at most 8 minutes
+
+What comes back (head.tar.gz.000, ...): final/ (or, when training failed or ran past
+--limit-minutes, the newest checkpoint as final/ with the log saying so), train_log.jsonl and the
+replies the target wrote (data/gen-*.jsonl, reusable as a reply cache: put them in a run's
+data_dir).
 
 The stage folder (--stage, default /tmp/treedraft-bundle) survives between transfers only while
 the machine stays busy; a part that is missing when --run starts is named, with what to send.
@@ -98,7 +104,9 @@ def install(root: Path, site: Path) -> None:
     print(f"[bundle] installed {len(todo)} wheels and treedraft into {site}")
 
 
-def train(root: Path, stage: Path, extra: list[str]) -> Path:
+def train(root: Path, stage: Path, extra: list[str], limit_s: float | None = None
+          ) -> tuple[Path, int]:
+    """Run `treedraft train`; returns (its out_dir, exit status; 124 when stopped at limit_s)."""
     cfg = json.loads((root / "config.json").read_text())
     fill = lambda v: v.replace("{stage}", str(root)) if isinstance(v, str) else v  # noqa: E731
     cfg = {k: fill(v) for k, v in cfg.items()}
@@ -108,19 +116,42 @@ def train(root: Path, stage: Path, extra: list[str]) -> Path:
            str(root / "files"), "TREEDRAFT_CACHE": str(stage / "cache")}
     probe = "import treedraft.training as t; print('[bundle] treedraft from', t.__file__)"
     subprocess.run([sys.executable, "-c", probe], env=env, check=True)
-    subprocess.run([sys.executable, "-m", "treedraft.scripts.cli", "train", "--config",
-                    str(cfg_path), *extra], env=env, check=True)
-    return Path(cfg["out_dir"])
+    try:
+        rc = subprocess.run([sys.executable, "-m", "treedraft.scripts.cli", "train", "--config",
+                             str(cfg_path), *extra], env=env, timeout=limit_s).returncode
+    except subprocess.TimeoutExpired:
+        print(f"[bundle] training ran past --limit-minutes ({limit_s / 60:g}): stopped; the newest "
+              "checkpoint goes back", flush=True)
+        rc = 124
+    return Path(cfg["out_dir"]), rc
+
+
+def newest_head(run: Path) -> Path | None:
+    """run/final, else the newest checkpoint (a run that failed or was stopped), else None."""
+    if (run / "final" / "config.json").is_file():
+        return run / "final"
+    found = sorted((run / "checkpoints").glob("step-*/config.json"))
+    return found[-1].parent if found else None
 
 
 def send_back(run: Path, out: Path) -> list[Path]:
-    """final/ and train_log.jsonl as head.tar.gz.000, .001, ... (at most 8 files)."""
+    """The head (final/ or the newest checkpoint, as final/, without optimizer state),
+    train_log.jsonl and the reply caches (data/gen-*.jsonl) as head.tar.gz.000, .001, ... (at
+    most 8 files). What exists is sent, also after a failed run."""
     out.mkdir(parents=True, exist_ok=True)
     blob = out / "head.tar.gz"
+    head = newest_head(run)
     with tarfile.open(blob, "w:gz") as tar:
-        tar.add(run / "final", arcname="final")
+        if head is not None:
+            tar.add(head, arcname="final", filter=lambda t: t if t.isdir() or t.name.endswith(
+                (".json", ".safetensors")) else None)  # not trainer_state.pt
+            print(f"[bundle] sending back {head}", flush=True)
+        else:
+            print("[bundle] no head was saved (training failed before its first checkpoint)")
         if (run / "train_log.jsonl").is_file():
             tar.add(run / "train_log.jsonl", arcname="train_log.jsonl")
+        for gen in sorted((run / "data").glob("gen-*.jsonl")):
+            tar.add(gen, arcname=f"data/{gen.name}")
     data = blob.read_bytes()
     blob.unlink()
     pieces = [out / f"head.tar.gz.{i:03d}" for i in range(0, (len(data) + PIECE - 1) // PIECE)]
@@ -141,6 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stage", type=Path, default=Path("/tmp/treedraft-bundle"))
     p.add_argument("--run", action="store_true", help="after the last part: train")
     p.add_argument("--out", type=Path, default=None, help="where the trained head goes")
+    p.add_argument("--limit-minutes", type=float, default=None,
+                   help="stop training after this long and send back the newest checkpoint")
     args = p.parse_args(argv)
     manifest = stage_part(Path(__file__).resolve().parent, args.stage)
     if not args.run:
@@ -150,7 +183,12 @@ def main(argv: list[str] | None = None) -> None:
     check_machine()
     root = assemble(args.stage, manifest)
     install(root, args.stage / "site")
-    send_back(train(root, args.stage, extra), args.out)
+    run, rc = train(root, args.stage, extra,
+                    None if args.limit_minutes is None else 60 * args.limit_minutes)
+    send_back(run, args.out)
+    if rc != 0:
+        raise SystemExit(f"[bundle] treedraft train exited with status {rc}; what it had saved "
+                         "was sent back")
 
 
 if __name__ == "__main__":

@@ -38,10 +38,11 @@ def test_bundle_trains_on_a_bare_machine_dry_run(tmp_path):
     for p in parts:
         assert sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) <= 40 << 20
     manifest = json.loads((parts[0] / "manifest.json").read_text())
-    assert {"code.tar.gz", "prompts.jsonl", "config.json"} <= set(manifest["files"])
+    assert {"code.tar.gz", "prompts.jsonl.gz", "config.json"} <= set(manifest["files"])
     assert any(f.startswith("wheels/datasets-") for f in manifest["files"])
     assert any(f.startswith("wheels/gguf-") for f in manifest["files"])
     assert not any(f.startswith("wheels/torch-") for f in manifest["files"])
+    assert manifest["files"]["code.tar.gz"]["size"] < 4 << 20  # no zoo weights in the code
 
     stage, out = tmp_path / "stage", tmp_path / "out"
     stage_py = [sys.executable, "-I"]  # isolated: nothing of this checkout on sys.path
@@ -57,11 +58,39 @@ def test_bundle_trains_on_a_bare_machine_dry_run(tmp_path):
     assert 1 <= len(pieces) <= 8 and all(p.stat().st_size <= 16 << 20 for p in pieces)
     blob = b"".join(p.read_bytes() for p in pieces)
     with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+        names = tar.getnames()
         tar.extractall(tmp_path / "back")
     head = load_head(tmp_path / "back" / "final")
+    # the replies the target wrote come back too: a reply cache for later runs
+    replies = [n for n in names if n.startswith("data/gen-") and n.endswith(".jsonl")]
+    assert len(replies) == 1
+    lines = (tmp_path / "back" / replies[0]).read_text().splitlines()
+    assert len(lines) > 1 and all(len(json.loads(ln)["reply"]) > 0 for ln in lines[1:])
+    # with regenerate the prompts travel as their first turn only (the target writes replies)
+    import gzip
+
+    rows = [json.loads(ln) for ln in gzip.open(stage / "payload" / "prompts.jsonl.gz", "rt")]
+    assert len(rows) == 6 and all(r["messages"][-1]["role"] == "user" for r in rows)
     assert head.config.target.hidden_size == 576
     log = (tmp_path / "back" / "train_log.jsonl").read_text().splitlines()
     assert sum('"lr"' in ln for ln in log) == 2  # two optimizer steps
+
+    # a run that failed (or was stopped) after a checkpoint sends that checkpoint back as final/
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("stage", parts[-1] / "stage.py")
+    stage_mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stage_mod)
+    run = stage / "payload" / "run"
+    import shutil
+
+    shutil.rmtree(run / "final")
+    pieces = stage_mod.send_back(run, tmp_path / "o-failed")
+    with tarfile.open(fileobj=io.BytesIO(b"".join(p.read_bytes() for p in pieces))) as tar:
+        names = tar.getnames()
+        tar.extractall(tmp_path / "back-failed")
+    assert "final/trainer_state.pt" not in names and "train_log.jsonl" in names
+    assert load_head(tmp_path / "back-failed" / "final").config.target.hidden_size == 576
 
     # a part that never reached the machine is named
     fresh = tmp_path / "fresh"

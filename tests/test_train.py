@@ -407,6 +407,7 @@ def test_config_file_and_overrides(tmp_path):
     (["--gen_temperatures=[0,-1]"], r"gen_temperatures=\[0.0, -1.0\] must be a non-empty list"),
     (["--gen_temperatures=[]"], r"gen_temperatures=\[\] must be a non-empty list"),
     (["--gen_temperature=-0.5"], r"gen_temperature=-0.5 must be >= 0"),
+    (["--gen_time_limit_minutes=0"], r"gen_time_limit_minutes=0.0 must be > 0"),
     (["lr=1"], r"must look like --key=value"),
 ])
 def test_bad_config_errors(over, match):
@@ -449,6 +450,47 @@ def test_gen_temperatures_mix_round_robin_with_a_cache_per_temperature(tiny, tmp
     assert calls == [(3, 0.0)]
     same = {s.id: s.input_ids for s in greedy}
     assert all(same[s.id] == s.input_ids for s in mix if s.id in files[0.0])
+
+
+def test_generation_order_first_ids_then_length_sorted_windows():
+    todo = [(f"p{i}", [0] * n) for i, n in enumerate([1, 5, 3, 2, 9, 4])]
+    ids = lambda order: [rid for rid, _ in order]  # noqa: E731
+    assert ids(generate.generation_order(todo, None)) == ["p4", "p1", "p5", "p2", "p3", "p0"]
+    # windows of 3 prompts in data order: a cut after any window is a sample of every length
+    assert ids(generate.generation_order(todo, 3)) == ["p1", "p2", "p0", "p4", "p5", "p3"]
+    assert ids(generate.generation_order(todo, 3, frozenset({"p0", "p3"}))) == [
+        "p3", "p0", "p4", "p1", "p2", "p5"]
+
+
+def test_gen_time_limit_stops_generation_and_answers_held_out_prompts_first(tiny, tmp_path,
+                                                                           monkeypatch, capsys):
+    import time
+
+    from treedraft.training.data import load_prompts
+    from treedraft.training.target import load_target
+
+    target, prompts = tiny
+    ds = load_prompts(prompts, purpose="train", limit=6)
+    rows = list(zip(ds["id"], ds["messages"], strict=True))
+    calls = []
+
+    def slow(loaded, cfg):
+        def run(prompts, temperature):
+            calls.append(len(prompts))
+            time.sleep(0.2)  # past the 0.06 s limit after the first batch
+            return [[7, 8] for _ in prompts]
+        return run
+
+    monkeypatch.setattr(generate, "transformers_engine", slow)
+    cfg = cfg_of(tiny, tmp_path, gen_temperature=0, gen_batch_size=2, gen_time_limit_minutes=0.001)
+    held_out = frozenset({rows[-1][0], rows[-3][0]})
+    seqs = generate.build_sequences(load_target(target), rows, cfg, tmp_path / "data", held_out)
+    assert calls == [2] and {s.id for s in seqs} == held_out  # one batch: the held-out prompts
+    assert "2 of 6 prompts answered; the other 4 are left out" in capsys.readouterr().out
+    # a later run answers the rest (the cache keeps the first two)
+    cfg.gen_time_limit_minutes = None
+    seqs = generate.build_sequences(load_target(target), rows, cfg, tmp_path / "data", held_out)
+    assert calls == [2, 2, 2] and len(seqs) == 6
 
 
 def test_cli_reports_bad_input_as_error_line(tmp_path):

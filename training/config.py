@@ -58,6 +58,9 @@ class TrainConfig:
     #   gen_temperature. Each temperature has its own reply cache (shared with single-T runs)
     gen_max_new_tokens: int = 256
     gen_batch_size: int = 16
+    gen_time_limit_minutes: float | None = None  # stop writing replies after this long and train
+    #   on those written (prompts taken in data order, length-sorted within windows, so a cut
+    #   keeps an unbiased sample; held-out prompts first); None = answer every prompt
     max_seq_len: int = 1024  # prompt + reply tokens; longer sequences are cut
     # --- optimisation
     batch_size: int = 4  # sequences per micro-batch (per process)
@@ -136,6 +139,9 @@ class TrainConfig:
                              "of temperatures >= 0 (0 = greedy), e.g. --gen_temperatures=[0,1]"
                              if self.gen_temperatures is not None else
                              f"gen_temperature={self.gen_temperature} must be >= 0 (0 = greedy)")
+        if self.gen_time_limit_minutes is not None and self.gen_time_limit_minutes <= 0:
+            raise ValueError(f"gen_time_limit_minutes={self.gen_time_limit_minutes} must be > 0 "
+                             "(or none: answer every prompt)")
         if self.eval_max_new_tokens < 0:
             raise ValueError(f"eval_max_new_tokens={self.eval_max_new_tokens} must be >= 0 "
                              "(0 = no run_eval at the end)")

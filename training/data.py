@@ -15,7 +15,7 @@ Features:
     off at 125 MB, so it is parsed record by record and the truncated tail is dropped.
   - ``"humaneval"``: the 164 HumanEval problems, each one user message asking to complete
     the function.
-- Or the path of a ``.jsonl`` file (source ``"jsonl:<filename>"``): one object per line,
+- Or the path of a ``.jsonl`` file, gzipped or not (source ``"jsonl:<filename>"``): one object per line,
   ``{"prompt": str}`` or ``{"messages": [{"role": ..., "content": ...}, ...]}``, optional
   ``"id"`` (str); other keys are ignored, blank lines skipped. Any bad line raises a
   ValueError naming the file, the line number and the expected shape.
@@ -217,9 +217,13 @@ def _jsonl_messages(obj: Any) -> list[Message]:
 
 
 def _jsonl_rows(path: Path) -> list[Row]:
-    """All rows of a .jsonl file, validated in full (a bad line fails whatever the limit)."""
+    """All rows of a .jsonl (or gzipped .jsonl.gz) file, validated in full (a bad line fails
+    whatever the limit)."""
+    import gzip
+
     source, seen, rows = f"jsonl:{path.name}", {}, []
-    with path.open(encoding="utf-8") as f:
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -250,12 +254,13 @@ def _rows(source: str | os.PathLike[str]) -> Iterator[Row]:
     if isinstance(source, str) and source in SOURCES:
         return SOURCES[source]()
     path = Path(source)
-    if path.suffix == ".jsonl" and path.is_file():
+    jsonl = path.name.endswith((".jsonl", ".jsonl.gz"))
+    if jsonl and path.is_file():
         return iter(_jsonl_rows(path))
-    why = f"no such file: {path.resolve()}" if path.suffix == ".jsonl" else "not a known name"
+    why = f"no such file: {path.resolve()}" if jsonl else "not a known name"
     raise ValueError(
         f"unknown prompt source {str(source)!r} ({why}): use one of "
-        f"{', '.join(map(repr, SOURCES))}, or the path of an existing .jsonl file"
+        f"{', '.join(map(repr, SOURCES))}, or the path of an existing .jsonl (or .jsonl.gz) file"
     )
 
 

@@ -67,11 +67,13 @@ def encode_prompts(tokenizer, rows: list[tuple[str, list[dict]]], cfg: TrainConf
 
 
 def build_sequences(loaded, rows: list[tuple[str, list[dict]]], cfg: TrainConfig,
-                    data_dir: Path | None) -> list[Seq]:
-    """Prompt + reply sequences for `rows` ((id, messages) pairs), cut at max_seq_len."""
+                    data_dir: Path | None, first: frozenset[str] = frozenset()) -> list[Seq]:
+    """Prompt + reply sequences for `rows` ((id, messages) pairs), cut at max_seq_len. Rows
+    whose reply was not written (gen_time_limit_minutes) are left out; ids in `first` are
+    answered before the others."""
     prompts = encode_prompts(loaded.tokenizer, rows, cfg)
     if cfg.regenerate:
-        replies = regenerate(loaded, prompts, cfg, data_dir)
+        replies = regenerate(loaded, prompts, cfg, data_dir, first)
     else:
         replies = dataset_replies(loaded.tokenizer, rows, dict(prompts))
     return [Seq(rid, (ids + replies[rid])[: cfg.max_seq_len], len(ids)) for rid, ids in prompts
@@ -132,11 +134,28 @@ def read_cache(path: Path) -> dict[str, list[int]]:
     return out
 
 
+def generation_order(todo: list[tuple[str, list[int]]], window: int | None,
+                     first: frozenset[str] = frozenset()) -> list[tuple[str, list[int]]]:
+    """Ids in `first`, then the rest; each sorted longest first (similar lengths share a batch,
+    less left padding) over the whole list (window None) or within consecutive windows of
+    `window` prompts, so a run cut short by a time limit has answered a sample of every length."""
+    out = []
+    for group in ([p for p in todo if p[0] in first], [p for p in todo if p[0] not in first]):
+        step = window or max(len(group), 1)
+        for i in range(0, len(group), step):
+            out += sorted(group[i: i + step], key=lambda p: -len(p[1]))
+    return out
+
+
 def regenerate(loaded, prompts: list[tuple[str, list[int]]], cfg: TrainConfig,
-               data_dir: Path | None) -> dict[str, list[int]]:
+               data_dir: Path | None, first: frozenset[str] = frozenset()
+               ) -> dict[str, list[int]]:
     """Replies by the target to each prompt, from the cache where present. With
     `gen_temperatures` prompt i is answered at temperatures[i % n]; each temperature has its own
-    cache file (the one a single-temperature run with the same settings uses)."""
+    cache file (the one a single-temperature run with the same settings uses). With
+    `gen_time_limit_minutes` no new batch starts after that long: the prompts not answered by
+    then get no reply (ids in `first` are answered first)."""
+    import time
     from dataclasses import replace
 
     from tqdm.auto import tqdm
@@ -151,8 +170,11 @@ def regenerate(loaded, prompts: list[tuple[str, list[int]]], cfg: TrainConfig,
         cached = read_cache(path) if path else {}
         done.update({rid: cached[rid] for rid, _ in part if rid in cached})
         todo = [(rid, ids) for rid, ids in part if rid not in cached]
-        # Longest first, so each batch holds similar lengths (less left padding).
-        todo.sort(key=lambda p: -len(p[1]))
+        window = None  # longest first, so each batch holds similar lengths (less left padding)
+        if cfg.gen_time_limit_minutes is not None:  # ... within windows: a cut stays unbiased
+            window = 16 * (cfg.gen_batch_size if cfg.gen_engine == "transformers"
+                           else 64 * cfg.gen_batch_size)
+        todo = generation_order(todo, window, first)
         if todo:
             groups.append((t, path, meta, todo))
     if not groups:
@@ -163,12 +185,16 @@ def regenerate(loaded, prompts: list[tuple[str, list[int]]], cfg: TrainConfig,
     temp_note = "" if len(temps) == 1 else f", T={'/'.join(f'{t:g}' for t in temps)}"
     bar = tqdm(total=sum(len(g[3]) for g in groups), unit="prompt", disable=not cfg.progress,
                desc=f"self-distill ({cfg.gen_engine}{temp_note})")
+    deadline = None if cfg.gen_time_limit_minutes is None else (
+        time.perf_counter() + 60 * cfg.gen_time_limit_minutes)
     for t, path, meta, todo in groups:
         if path:
             path.parent.mkdir(parents=True, exist_ok=True)
             if not path.exists():
                 path.write_text(json.dumps({"meta": meta}) + "\n")
         for i in range(0, len(todo), chunk):
+            if deadline is not None and time.perf_counter() > deadline:
+                break
             part = todo[i: i + chunk]
             replies = generate([ids for _, ids in part], t)
             lines = []
@@ -180,6 +206,11 @@ def regenerate(loaded, prompts: list[tuple[str, list[int]]], cfg: TrainConfig,
                     f.writelines(lines)
             bar.update(len(part))
     bar.close()
+    if missing := sum(rid not in done for rid, _ in prompts):
+        answered = len(prompts) - missing
+        print(f"[treedraft] gen_time_limit_minutes={cfg.gen_time_limit_minutes}: {answered} of "
+              f"{len(prompts)} prompts answered; the other {missing} are left out (a later run "
+              "with the same data_dir answers them)", flush=True)
     return done
 
 

@@ -366,7 +366,8 @@ def prepare_data(cfg: TrainConfig, loaded, d: Dist) -> tuple[list[Seq], list[Seq
     data_dir = Path(cfg.data_dir) if cfg.data_dir else Path(cfg.out_dir) / "data"
     if d.world > 1 and not d.main:
         barrier()  # wait for rank 0 to fill the reply cache, then read it
-    seqs = build_sequences(loaded, train_rows + eval_rows, cfg, data_dir)
+    seqs = build_sequences(loaded, train_rows + eval_rows, cfg, data_dir,
+                           first=frozenset(rid for rid, _ in eval_rows))
     if d.world > 1 and d.main:
         barrier()
     eval_ids = {rid for rid, _ in eval_rows}
