@@ -14,7 +14,9 @@ everything else, cut into parts that each fit one transfer:
 
 Contents: treedraft's code (heads/, training/, scripts/, plugin/; a tarball), the wheels training
 needs that such a machine lacks (`datasets`, `gguf` and what they need, for CPython 3.12 on
-manylinux x86_64), the target (an embedded GGUF, or a local Hugging Face folder), the training
+manylinux x86_64), the target (an embedded GGUF, or a local Hugging Face folder), the MT-bench
+questions (the contamination check reads them; the run reads packaged files from the bundle
+only, TREEDRAFT_FILES_ONLY=1), the training
 prompts exactly as this config selects them (MT-bench rows already dropped) as gzipped JSONL, and the
 config. Files larger than a part are split into chunks; `manifest.json` holds every file's size
 and sha256. On the GPU, `stage.py` (standalone: it imports nothing of treedraft) reassembles and
@@ -82,6 +84,16 @@ def _wheels(dest: Path) -> None:
         dist = whl.name.split("-")[0].lower().replace("_", "-")
         if dist in GPU_HAS:
             whl.unlink()
+
+
+def _packaged_files(dest: Path) -> None:
+    """Packaged files every training run reads whatever its data: the MT-bench questions (the
+    contamination check drops them from any prompt set)."""
+    from treedraft.training.embedded import MTBENCH_QUESTIONS
+
+    out = dest / "files" / MTBENCH_QUESTIONS.path
+    out.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(MTBENCH_QUESTIONS.locate(), out)
 
 
 def _target_files(target: str, dest: Path) -> str:
@@ -165,6 +177,7 @@ def build(out: Path, config: str | None, overrides: list[str], part_mib: int = 6
     _code_tarball(payload / "code.tar.gz")
     _wheels(payload / "wheels")
     target = _target_files(cfg.target, payload)
+    _packaged_files(payload)
     _prompts(cfg, payload / "prompts.jsonl.gz")
     run_cfg = {**cfg.to_dict(), "target": target, "data": "{stage}/prompts.jsonl.gz",
                "out_dir": "{stage}/run", "data_dir": None}

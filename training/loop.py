@@ -232,7 +232,9 @@ def train(cfg: TrainConfig, resume: str | os.PathLike | None = None) -> Path | N
         head.set_draft_vocab(choose_draft_vocab(train_seqs, head.config.target.vocab_size, vd))
     dtype = cfg.compute_dtype(d.device)
     if d.main:
-        print(f"[treedraft] training in {dtype} (dtype={cfg.dtype}; {describe()}); lr "
+        where = (f"CUDA: {torch.cuda.get_device_name(d.device)}" if d.device.type == "cuda"
+                 else describe())
+        print(f"[treedraft] training in {dtype} (dtype={cfg.dtype}; {where}); lr "
               f"{cfg.schedule} schedule, decay finished at "
               + (f"{cfg.time_limit_minutes} min or " if cfg.time_limit_minutes else "")
               + "the last step", flush=True)
