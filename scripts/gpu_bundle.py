@@ -163,12 +163,29 @@ def stream_on_gpu(cfg, overrides: list[str]) -> None:
         cfg.cache_features = False
 
 
-def build(out: Path, config: str | None, overrides: list[str], part_mib: int = 60) -> list[Path]:
+def _check_replies(files: list[Path]) -> None:
+    for f in files:
+        if not (f.is_file() and f.name.startswith("gen-") and f.suffix == ".jsonl"):
+            raise ValueError(f"--replies {f}: not a reply cache (a gen-<hash>.jsonl file that "
+                             "a run with regenerate=true wrote in its data_dir)")
+
+
+def _replies(files: list[Path], dest: Path) -> None:
+    """Reply caches (gen-*.jsonl, e.g. what an earlier GPU run sent back) into the run's data
+    folder, where `treedraft train` finds them when their settings match this run's."""
+    for f in files:
+        dest.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(f, dest / f.name)
+
+
+def build(out: Path, config: str | None, overrides: list[str], part_mib: int = 60,
+          replies: list[Path] = ()) -> list[Path]:
     """Write the bundle's parts (folders part-1, part-2, ...) under `out`; returns them."""
     from treedraft.training.config import load_config
 
     cfg = load_config(config, overrides)
     cfg.validate()
+    _check_replies(list(replies))
     stream_on_gpu(cfg, overrides)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} is not empty; give a new folder for the bundle")
@@ -178,6 +195,7 @@ def build(out: Path, config: str | None, overrides: list[str], part_mib: int = 6
     _wheels(payload / "wheels")
     target = _target_files(cfg.target, payload)
     _packaged_files(payload)
+    _replies(list(replies), payload / "run" / "data")  # out_dir {stage}/run, data_dir its data/
     _prompts(cfg, payload / "prompts.jsonl.gz")
     run_cfg = {**cfg.to_dict(), "target": target, "data": "{stage}/prompts.jsonl.gz",
                "out_dir": "{stage}/run", "data_dir": None}
@@ -219,10 +237,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", type=Path, help="a new folder for the bundle's parts")
     p.add_argument("--config", default=None, help="training recipe (YAML/JSON), as for train")
     p.add_argument("--part-mib", type=int, default=60, help="size limit of one part (transfer)")
+    p.add_argument("--replies", type=Path, nargs="+", default=[], metavar="GEN_JSONL",
+                   help="reply caches to carry (data/gen-*.jsonl sent back by an earlier GPU "
+                        "run): prompts answered there are not answered again")
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> list[Path]:
-    parts = build(args.out, args.config, overrides, args.part_mib)
+    parts = build(args.out, args.config, overrides, args.part_mib, args.replies)
     sizes = [sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) / MiB for p in parts]
     for p, s in zip(parts, sizes, strict=True):
         print(f"{p}  {s:.1f} MiB")

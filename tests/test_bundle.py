@@ -92,6 +92,26 @@ def test_bundle_trains_on_a_bare_machine_dry_run(tmp_path):
     assert "final/trainer_state.pt" not in names and "train_log.jsonl" in names
     assert load_head(tmp_path / "back-failed" / "final").config.target.hidden_size == 576
 
+    # the replies sent back travel in the next bundle: that run answers no prompt again
+    again = tmp_path / "bundle2"
+    main(["bundle", str(again), "--config", "scripts/recipes/tiny-cpu.yaml", "--part-mib", "40",
+          "--replies", str(tmp_path / "back" / replies[0]), *TINY])
+    stage2, out2 = tmp_path / "stage2", tmp_path / "out2"
+    parts2 = sorted(again.glob("part-*"))
+    for p in parts2[:-1]:
+        subprocess.run([*stage_py, str(p / "stage.py"), "--stage", str(stage2)], check=True)
+    proc = subprocess.run([*stage_py, str(parts2[-1] / "stage.py"), "--stage", str(stage2),
+                           "--run", "--out", str(out2)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    blob = b"".join(p.read_bytes() for p in sorted(out2.glob("head.tar.gz.*")))
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+        gens = [m for m in tar.getmembers() if m.name.startswith("data/gen-")]
+        assert [m.name for m in gens] == [replies[0]]  # the same cache: no new settings hash
+        assert tar.extractfile(gens[0]).read().decode().splitlines() == lines  # nothing added
+    with pytest.raises(SystemExit, match="not a reply cache"):
+        main(["bundle", str(tmp_path / "bundle3"), "--config", "scripts/recipes/tiny-cpu.yaml",
+              "--replies", str(tmp_path / "back" / "train_log.jsonl"), *TINY])
+
     # a part that never reached the machine is named
     fresh = tmp_path / "fresh"
     proc = subprocess.run([*stage_py, str(parts[-1] / "stage.py"), "--stage", str(fresh),

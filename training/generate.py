@@ -110,12 +110,17 @@ def dataset_replies(tokenizer, rows, prompts: dict[str, list[int]]) -> dict[str,
 
 
 def _cache_path(loaded, cfg: TrainConfig, data_dir: Path) -> tuple[Path, dict]:
+    from .models import EMBEDDED_MODELS
     from .target import target_signature
 
-    meta = {"target": loaded.path, "signature": target_signature(loaded.model, loaded.tokenizer)
+    # an embedded target by its name: its converted folder's path differs between machines and
+    # stage folders (a GPU bundle's replies are reused here), its weights do not
+    ident = loaded.name if loaded.name in EMBEDDED_MODELS else loaded.path
+    meta = {"target": ident, "signature": target_signature(loaded.model, loaded.tokenizer)
             .to_dict(), "engine": cfg.gen_engine, "temperature": cfg.gen_temperature,
             "max_new_tokens": cfg.gen_max_new_tokens, "seed": cfg.seed,
-            "dtype": cfg.compute_dtype(loaded.model.device) if cfg.gen_engine == "transformers" else "engine"}
+            "dtype": cfg.compute_dtype(loaded.model.device) if cfg.gen_engine == "transformers"
+            else "engine"}
     digest = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:12]
     return data_dir / f"gen-{digest}.jsonl", meta
 

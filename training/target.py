@@ -22,6 +22,7 @@ class LoadedTarget:
     model: torch.nn.Module
     tokenizer: object
     path: str
+    name: str = ""  # what the user named (an embedded model's short name, a folder, a hub id)
 
 
 def load_target(name_or_path: str, *, dtype: torch.dtype = torch.float32) -> LoadedTarget:
@@ -34,7 +35,7 @@ def load_target(name_or_path: str, *, dtype: torch.dtype = torch.float32) -> Loa
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
     model.eval().requires_grad_(False)
-    return LoadedTarget(model, tokenizer, path)
+    return LoadedTarget(model, tokenizer, path, str(name_or_path))
 
 
 def target_signature(model: torch.nn.Module, tokenizer) -> TargetSignature:
