@@ -112,8 +112,11 @@ def train(root: Path, stage: Path, extra: list[str], limit_s: float | None = Non
     cfg = {k: fill(v) for k, v in cfg.items()}
     cfg_path = stage / "config.json"
     cfg_path.write_text(json.dumps(cfg, indent=1))
-    env = {**os.environ, "PYTHONPATH": str(stage / "site"), "TREEDRAFT_FILES_DIR":
-           str(root / "files"), "TREEDRAFT_FILES_ONLY": "1", "TREEDRAFT_CACHE": str(stage / "cache")}
+    # Batches of varying length fragment the CUDA caching allocator; expandable segments avoid
+    # the free-and-retry stalls (a user's own PYTORCH_CUDA_ALLOC_CONF wins)
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", **os.environ,
+           "PYTHONPATH": str(stage / "site"), "TREEDRAFT_FILES_DIR": str(root / "files"),
+           "TREEDRAFT_FILES_ONLY": "1", "TREEDRAFT_CACHE": str(stage / "cache")}
     probe = "import treedraft.training as t; print('[bundle] treedraft from', t.__file__)"
     subprocess.run([sys.executable, "-c", probe], env=env, check=True)
     try:

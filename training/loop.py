@@ -288,7 +288,7 @@ def train(cfg: TrainConfig, resume: str | os.PathLike | None = None) -> Path | N
         dt = time.perf_counter() - t0
         run_tokens, train_time = run_tokens + rec["tokens"], train_time + dt
         log.write({"step": step, "epoch": epoch, **rec, "lr": scheduler.get_last_lr()[0],
-                   "tokens_per_s": rec["tokens"] / dt})
+                   "tokens_per_s": rec["tokens"] / dt, **cuda_memory(d.device)})
         # tokens/s of training so far in this run, target forward included, eval excluded
         bar.set_postfix(loss=f"{rec['loss']:.3f}", top1=f"{rec['top1'][0]:.3f}",
                         tok_s=f"{run_tokens / train_time:.0f}")
@@ -314,6 +314,16 @@ def train(cfg: TrainConfig, resume: str | os.PathLike | None = None) -> Path | N
     final = ckpt_io.provenance(cfg, step=step, total_steps=total, eval=result,
                                tokens_per_s=run_tokens / max(train_time, 1e-9), **prov)
     return ckpt_io.save_head_dir(out / "final", head, cfg, final)
+
+
+def cuda_memory(device: torch.device) -> dict:
+    """Peak memory and the caching allocator's retries so far (a retry frees cached blocks and
+    synchronises: the suspect for the first GPU run's slow steps); {} off CUDA."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {"cuda_peak_gib": round(stats.get("allocated_bytes.all.peak", 0) / 2**30, 2),
+            "cuda_alloc_retries": stats.get("num_alloc_retries", 0)}
 
 
 def init_weights(head, name_or_path: str) -> None:
