@@ -96,6 +96,33 @@ def _packaged_files(dest: Path) -> None:
     shutil.copyfile(MTBENCH_QUESTIONS.locate(), out)
 
 
+def _expected_installed(wheels: Path) -> list[str]:
+    """Distributions the bundled wheels require that the bundle does not carry (the GPU machine
+    must have them; stage.py checks before it installs anything)."""
+    import re
+    import zipfile
+
+    from packaging.requirements import Requirement
+
+    # the GPU machine: CPython 3.12 on x86_64 Linux; no extras
+    env = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
+           "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
+           "implementation_name": "cpython", "platform_python_implementation": "CPython",
+           "extra": ""}
+    bundled, needs = set(), set()
+    norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()  # noqa: E731
+    for whl in wheels.glob("*.whl"):
+        bundled.add(norm(whl.name.split("-")[0]))
+        with zipfile.ZipFile(whl) as z:
+            meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+            for line in z.read(meta).decode().splitlines():
+                if line.startswith("Requires-Dist:"):
+                    req = Requirement(line.split(":", 1)[1].strip())
+                    if req.marker is None or req.marker.evaluate(env):
+                        needs.add(norm(req.name))
+    return sorted(needs - bundled)
+
+
 def _target_files(target: str, dest: Path) -> str:
     """Copy what the GPU needs to load `target`; returns the target argument to use there
     ({files} = the staged files folder, {stage} = the stage folder)."""
@@ -197,14 +224,16 @@ def build(out: Path, config: str | None, overrides: list[str], part_mib: int = 6
     _packaged_files(payload)
     _replies(list(replies), payload / "run" / "data")  # out_dir {stage}/run, data_dir its data/
     _prompts(cfg, payload / "prompts.jsonl.gz")
+    # the prompts file starts at prompt_offset already: the run reads it from its first row
     run_cfg = {**cfg.to_dict(), "target": target, "data": "{stage}/prompts.jsonl.gz",
-               "out_dir": "{stage}/run", "data_dir": None}
+               "prompt_offset": 0, "out_dir": "{stage}/run", "data_dir": None}
     if cfg.init_from:  # a head folder or a zoo name: ship the head (the code carries no weights)
         from treedraft.training.heads_zoo import resolve_head
 
         shutil.copytree(resolve_head(cfg.init_from), payload / "init_from")
         run_cfg["init_from"] = "{stage}/init_from"
     (payload / "config.json").write_text(json.dumps(run_cfg, indent=1))
+    installed = _expected_installed(payload / "wheels")
     part_bytes = part_mib * MiB - MiB  # room for stage.py and the manifest
     files = _split(payload, part_bytes)
     chunks = sorted(((c, (payload / c).stat().st_size) for e in files.values()
@@ -219,7 +248,7 @@ def build(out: Path, config: str | None, overrides: list[str], part_mib: int = 6
             k = len(parts) - 1
         parts[k].append(name)
         sizes[k] += size
-    manifest = {"parts": len(parts), "files": files}
+    manifest = {"parts": len(parts), "files": files, "installed": installed}
     out_parts = []
     for i, names in enumerate(parts, start=1):
         d = out / f"part-{i}"

@@ -78,8 +78,15 @@ def assemble(stage: Path, manifest: dict) -> Path:
     return root
 
 
-def check_machine() -> None:
+def check_machine(manifest: dict) -> None:
+    """PREINSTALLED (import names) and the distributions the bundled wheels require without
+    carrying them (manifest "installed") must be on this machine already."""
     missing = [m for m in PREINSTALLED if importlib.util.find_spec(m) is None]
+    for dist in manifest.get("installed", []):
+        try:
+            importlib.metadata.distribution(dist)
+        except importlib.metadata.PackageNotFoundError:
+            missing.append(dist)
     if missing:
         raise SystemExit(f"[bundle] this machine lacks {missing}, which the bundle expects to be "
                          f"installed already (it carries only what such machines miss)")
@@ -119,14 +126,32 @@ def train(root: Path, stage: Path, extra: list[str], limit_s: float | None = Non
            "TREEDRAFT_FILES_ONLY": "1", "TREEDRAFT_CACHE": str(stage / "cache")}
     probe = "import treedraft.training as t; print('[bundle] treedraft from', t.__file__)"
     subprocess.run([sys.executable, "-c", probe], env=env, check=True)
+    proc = subprocess.Popen([sys.executable, "-m", "treedraft.scripts.cli", "train", "--config",
+                             str(cfg_path), *extra], env=env, start_new_session=True)
     try:
-        rc = subprocess.run([sys.executable, "-m", "treedraft.scripts.cli", "train", "--config",
-                             str(cfg_path), *extra], env=env, timeout=limit_s).returncode
+        rc = proc.wait(timeout=limit_s)
     except subprocess.TimeoutExpired:
-        print(f"[bundle] training ran past --limit-minutes ({limit_s / 60:g}): stopped; the newest "
-              "checkpoint goes back", flush=True)
+        print(f"[bundle] training ran past --limit-minutes ({limit_s / 60:g}): stopping it; the "
+              "newest checkpoint goes back", flush=True)
+        stop_group(proc)
         rc = 124
     return Path(cfg["out_dir"]), rc
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM to the process and its children (its own session), SIGKILL after grace_s."""
+    import signal
+
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def newest_head(run: Path) -> Path | None:
@@ -183,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.out is None:
         p.error("--run needs --out (the folder whose files come back)")
-    check_machine()
+    check_machine(manifest)
     root = assemble(args.stage, manifest)
     install(root, args.stage / "site")
     run, rc = train(root, args.stage, extra,

@@ -20,7 +20,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-TINY = ["--num_prompts=6", "--eval_prompts=0", "--gen_max_new_tokens=8", "--max_steps=2",
+TINY = ["--prompt_offset=2", "--num_prompts=6", "--eval_prompts=0", "--gen_max_new_tokens=8", "--max_steps=2",
         "--batch_size=2", "--max_seq_len=128", "--eval_max_new_tokens=4", "--progress=false"]
 
 
@@ -43,6 +43,9 @@ def test_bundle_trains_on_a_bare_machine_dry_run(tmp_path):
     assert any(f.startswith("wheels/gguf-") for f in manifest["files"])
     assert not any(f.startswith("wheels/torch-") for f in manifest["files"])
     assert manifest["files"]["code.tar.gz"]["size"] < 4 << 20  # no zoo weights in the code
+    # what the bundled wheels need and do not carry is checked on the machine before anything
+    assert {"pandas", "pyarrow", "numpy"} <= set(manifest["installed"])
+    assert "dill" not in manifest["installed"]  # bundled
 
     stage, out = tmp_path / "stage", tmp_path / "out"
     stage_py = [sys.executable, "-I"]  # isolated: nothing of this checkout on sys.path
@@ -65,12 +68,22 @@ def test_bundle_trains_on_a_bare_machine_dry_run(tmp_path):
     replies = [n for n in names if n.startswith("data/gen-") and n.endswith(".jsonl")]
     assert len(replies) == 1
     lines = (tmp_path / "back" / replies[0]).read_text().splitlines()
-    assert len(lines) > 1 and all(len(json.loads(ln)["reply"]) > 0 for ln in lines[1:])
-    # with regenerate the prompts travel as their first turn only (the target writes replies)
+    assert all(len(json.loads(ln)["reply"]) > 0 for ln in lines[1:])
+    # with regenerate the prompts travel as their first turn only (the target writes replies),
+    # from prompt_offset on: the run reads them from the first row (offset applied once)
     import gzip
+
+    from transformers import AutoTokenizer
+
+    from treedraft.training.models import resolve_model
+    from treedraft.training.target import encode_chat
 
     rows = [json.loads(ln) for ln in gzip.open(stage / "payload" / "prompts.jsonl.gz", "rt")]
     assert len(rows) == 6 and all(r["messages"][-1]["role"] == "user" for r in rows)
+    assert json.loads((stage / "payload" / "config.json").read_text())["prompt_offset"] == 0
+    tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
+    fit = [r["id"] for r in rows if len(encode_chat(tok, r["messages"])) < 128]
+    assert sorted(json.loads(ln)["id"] for ln in lines[1:]) == sorted(fit)
     assert head.config.target.hidden_size == 576
     log = (tmp_path / "back" / "train_log.jsonl").read_text().splitlines()
     assert sum('"lr"' in ln for ln in log) == 2  # two optimizer steps
@@ -111,6 +124,19 @@ def test_bundle_trains_on_a_bare_machine_dry_run(tmp_path):
     with pytest.raises(SystemExit, match="not a reply cache"):
         main(["bundle", str(tmp_path / "bundle3"), "--config", "scripts/recipes/tiny-cpu.yaml",
               "--replies", str(tmp_path / "back" / "train_log.jsonl"), *TINY])
+
+    # a machine without a distribution the wheels need is named before anything is installed
+    with pytest.raises(SystemExit, match=r"lacks \['no-such-dist-xyz'\]"):
+        stage_mod.check_machine({"installed": ["no-such-dist-xyz"]})
+    # a run past --limit-minutes is stopped (with its children), and what exists goes back
+    stage3, out3 = tmp_path / "stage3", tmp_path / "out3"
+    for p in parts[:-1]:
+        subprocess.run([*stage_py, str(p / "stage.py"), "--stage", str(stage3)], check=True)
+    proc = subprocess.run([*stage_py, str(parts[-1] / "stage.py"), "--stage", str(stage3), "--run",
+                           "--out", str(out3), "--limit-minutes", "0.05"],
+                          capture_output=True, text=True)
+    assert proc.returncode != 0 and "ran past --limit-minutes" in proc.stdout, proc.stdout[-2000:]
+    assert "status 124" in proc.stderr + proc.stdout and sorted(out3.glob("head.tar.gz.*"))
 
     # a part that never reached the machine is named
     fresh = tmp_path / "fresh"

@@ -476,21 +476,29 @@ def test_gen_time_limit_stops_generation_and_answers_held_out_prompts_first(tiny
 
     def slow(loaded, cfg):
         def run(prompts, temperature):
-            calls.append(len(prompts))
-            time.sleep(0.2)  # past the 0.06 s limit after the first batch
+            calls.append((len(prompts), temperature))
+            time.sleep(1.0)  # two batches start inside the 1.8 s limit, the third does not
             return [[7, 8] for _ in prompts]
         return run
 
     monkeypatch.setattr(generate, "transformers_engine", slow)
-    cfg = cfg_of(tiny, tmp_path, gen_temperature=0, gen_batch_size=2, gen_time_limit_minutes=0.001)
-    held_out = frozenset({rows[-1][0], rows[-3][0]})
-    seqs = generate.build_sequences(load_target(target), rows, cfg, tmp_path / "data", held_out)
-    assert calls == [2] and {s.id for s in seqs} == held_out  # one batch: the held-out prompts
-    assert "2 of 6 prompts answered; the other 4 are left out" in capsys.readouterr().out
-    # a later run answers the rest (the cache keeps the first two)
+    # T=0 answers prompts 0, 2, 4 and T=1 prompts 1, 3, 5; batches of 2 take turns
+    cfg = cfg_of(tiny, tmp_path, gen_temperatures="[0,1]", gen_batch_size=2,
+                 gen_time_limit_minutes=0.03)
+    held_out = frozenset({rows[5][0], rows[3][0]})
+    loaded, data = load_target(target), tmp_path / "data"
+    seqs = generate.build_sequences(loaded, rows, cfg, data, held_out)
+    assert calls == [(2, 0.0), (2, 1.0)]  # each temperature its share, held-out ones first
+    assert held_out <= {s.id for s in seqs} and len(seqs) == 4
+    assert "4 of 6 prompts have a reply; the other 2 are left out" in capsys.readouterr().out
+    # from the cache only (a resume of this run, a DDP rank > 0): the same four, no engine
+    same = generate.build_sequences(loaded, rows, cfg, data, held_out, generate_missing=False)
+    assert calls == [(2, 0.0), (2, 1.0)] and [s.id for s in same] == [s.id for s in seqs]
+    assert "replies read from the cache only: 4 of 6" in capsys.readouterr().out
+    # a later run without the limit answers the rest; the cache keeps the first four
     cfg.gen_time_limit_minutes = None
-    seqs = generate.build_sequences(load_target(target), rows, cfg, tmp_path / "data", held_out)
-    assert calls == [2, 2, 2] and len(seqs) == 6
+    seqs = generate.build_sequences(loaded, rows, cfg, data, held_out)
+    assert calls[2:] == [(1, 0.0), (1, 1.0)] and len(seqs) == 6
 
 
 def test_cli_reports_bad_input_as_error_line(tmp_path):

@@ -67,13 +67,14 @@ def encode_prompts(tokenizer, rows: list[tuple[str, list[dict]]], cfg: TrainConf
 
 
 def build_sequences(loaded, rows: list[tuple[str, list[dict]]], cfg: TrainConfig,
-                    data_dir: Path | None, first: frozenset[str] = frozenset()) -> list[Seq]:
+                    data_dir: Path | None, first: frozenset[str] = frozenset(),
+                    generate_missing: bool = True) -> list[Seq]:
     """Prompt + reply sequences for `rows` ((id, messages) pairs), cut at max_seq_len. Rows
-    whose reply was not written (gen_time_limit_minutes) are left out; ids in `first` are
-    answered before the others."""
+    whose reply was not written (gen_time_limit_minutes, or generate_missing=False: the cache
+    only) are left out; ids in `first` are answered before the others."""
     prompts = encode_prompts(loaded.tokenizer, rows, cfg)
     if cfg.regenerate:
-        replies = regenerate(loaded, prompts, cfg, data_dir, first)
+        replies = regenerate(loaded, prompts, cfg, data_dir, first, generate_missing)
     else:
         replies = dataset_replies(loaded.tokenizer, rows, dict(prompts))
     return [Seq(rid, (ids + replies[rid])[: cfg.max_seq_len], len(ids)) for rid, ids in prompts
@@ -114,7 +115,8 @@ def _cache_path(loaded, cfg: TrainConfig, data_dir: Path) -> tuple[Path, dict]:
     from .target import target_signature
 
     # an embedded target by its name: its converted folder's path differs between machines and
-    # stage folders (a GPU bundle's replies are reused here), its weights do not
+    # stage folders (the replies a GPU run sent back are reused by the next bundle), its
+    # weights do not
     ident = loaded.name if loaded.name in EMBEDDED_MODELS else loaded.path
     meta = {"target": ident, "signature": target_signature(loaded.model, loaded.tokenizer)
             .to_dict(), "engine": cfg.gen_engine, "temperature": cfg.gen_temperature,
@@ -153,17 +155,16 @@ def generation_order(todo: list[tuple[str, list[int]]], window: int | None,
 
 
 def regenerate(loaded, prompts: list[tuple[str, list[int]]], cfg: TrainConfig,
-               data_dir: Path | None, first: frozenset[str] = frozenset()
-               ) -> dict[str, list[int]]:
+               data_dir: Path | None, first: frozenset[str] = frozenset(),
+               generate_missing: bool = True) -> dict[str, list[int]]:
     """Replies by the target to each prompt, from the cache where present. With
     `gen_temperatures` prompt i is answered at temperatures[i % n]; each temperature has its own
-    cache file (the one a single-temperature run with the same settings uses). With
-    `gen_time_limit_minutes` no new batch starts after that long: the prompts not answered by
-    then get no reply (ids in `first` are answered first)."""
-    import time
+    cache file (the one a single-temperature run with the same settings uses), and batches of
+    the temperatures take turns. With `gen_time_limit_minutes` no new batch starts after that
+    long: the prompts not answered by then get no reply (ids in `first` are answered first, in
+    every temperature). generate_missing=False reads the caches only (a DDP rank > 0 after rank
+    0 generated; the resume of a run whose generation was cut, which must see the same data)."""
     from dataclasses import replace
-
-    from tqdm.auto import tqdm
 
     temps = cfg.reply_temperatures()
     done: dict[str, list[int]] = {}
@@ -182,41 +183,56 @@ def regenerate(loaded, prompts: list[tuple[str, list[int]]], cfg: TrainConfig,
         todo = generation_order(todo, window, first)
         if todo:
             groups.append((t, path, meta, todo))
-    if not groups:
-        return done
+    if groups and generate_missing:
+        _generate(loaded, cfg, groups, done, len(temps))
+    if missing := sum(rid not in done for rid, _ in prompts):
+        why = (f"gen_time_limit_minutes={cfg.gen_time_limit_minutes}" if generate_missing
+               else "replies read from the cache only")
+        print(f"[treedraft] {why}: {len(prompts) - missing} of {len(prompts)} prompts have a "
+              f"reply; the other {missing} are left out (a later run with the same data_dir "
+              "answers them)", flush=True)
+    return done
+
+
+def _generate(loaded, cfg: TrainConfig, groups: list, done: dict, n_temps: int) -> None:
+    """Answer each group's prompts (temperature, cache path, meta, ordered prompts), one batch
+    of each group in turn, until done or past gen_time_limit_minutes; replies into `done` and
+    appended to the group's cache."""
+    import time
+
+    from tqdm.auto import tqdm
+
     module, fn = ENGINES[cfg.gen_engine].split(":")
     generate = getattr(importlib.import_module(module), fn)(loaded, cfg)
     chunk = cfg.gen_batch_size if cfg.gen_engine == "transformers" else 64 * cfg.gen_batch_size
-    temp_note = "" if len(temps) == 1 else f", T={'/'.join(f'{t:g}' for t in temps)}"
+    temps = "/".join(f"{g[0]:g}" for g in groups)
+    temp_note = "" if n_temps == 1 else f", T={temps}"
     bar = tqdm(total=sum(len(g[3]) for g in groups), unit="prompt", disable=not cfg.progress,
                desc=f"self-distill ({cfg.gen_engine}{temp_note})")
-    deadline = None if cfg.gen_time_limit_minutes is None else (
-        time.perf_counter() + 60 * cfg.gen_time_limit_minutes)
-    for t, path, meta, todo in groups:
+    for _, path, meta, _ in groups:
         if path:
             path.parent.mkdir(parents=True, exist_ok=True)
             if not path.exists():
                 path.write_text(json.dumps({"meta": meta}) + "\n")
-        for i in range(0, len(todo), chunk):
-            if deadline is not None and time.perf_counter() > deadline:
-                break
-            part = todo[i: i + chunk]
-            replies = generate([ids for _, ids in part], t)
-            lines = []
-            for (rid, _), reply in zip(part, replies, strict=True):
-                done[rid] = reply
-                lines.append(json.dumps({"id": rid, "reply": reply}) + "\n")
-            if path:
-                with path.open("a") as f:
-                    f.writelines(lines)
-            bar.update(len(part))
+    # one batch of each temperature in turn: a cut leaves every temperature its share
+    batches = [[(t, path, todo[i: i + chunk]) for i in range(0, len(todo), chunk)]
+               for t, path, _, todo in groups]
+    order = [b[r] for r in range(max(map(len, batches))) for b in batches if r < len(b)]
+    deadline = None if cfg.gen_time_limit_minutes is None else (
+        time.perf_counter() + 60 * cfg.gen_time_limit_minutes)
+    for t, path, part in order:
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+        replies = generate([ids for _, ids in part], t)
+        lines = []
+        for (rid, _), reply in zip(part, replies, strict=True):
+            done[rid] = reply
+            lines.append(json.dumps({"id": rid, "reply": reply}) + "\n")
+        if path:
+            with path.open("a") as f:
+                f.writelines(lines)
+        bar.update(len(part))
     bar.close()
-    if missing := sum(rid not in done for rid, _ in prompts):
-        answered = len(prompts) - missing
-        print(f"[treedraft] gen_time_limit_minutes={cfg.gen_time_limit_minutes}: {answered} of "
-              f"{len(prompts)} prompts answered; the other {missing} are left out (a later run "
-              "with the same data_dir answers them)", flush=True)
-    return done
 
 
 def transformers_engine(loaded, cfg: TrainConfig):

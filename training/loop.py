@@ -226,7 +226,9 @@ def train(cfg: TrainConfig, resume: str | os.PathLike | None = None) -> Path | N
     if cfg.init_from and ckpt is None:  # a resume loads its own weights
         init_weights(head, cfg.init_from)  # before the data: a mismatch fails fast
     objective = Objective(head, cfg)  # checks step_weights against the head
-    train_seqs, eval_seqs, eval_rows = prepare_data(cfg, loaded, d)
+    # a resumed run whose reply generation was cut sees the replies it trained on, no more
+    train_seqs, eval_seqs, eval_rows = prepare_data(
+        cfg, loaded, d, cache_only=ckpt is not None and cfg.gen_time_limit_minutes is not None)
     vd = getattr(head.config, "draft_vocab_size", None)
     if vd is not None and not cfg.init_from:
         head.set_draft_vocab(choose_draft_vocab(train_seqs, head.config.target.vocab_size, vd))
@@ -372,14 +374,17 @@ def train_step(model, head, batch_fn, order: DataOrder, optimizer, cfg: TrainCon
             "padding": 1 - tokens / max(positions, 1)}  # share of padded [B, T] positions
 
 
-def prepare_data(cfg: TrainConfig, loaded, d: Dist) -> tuple[list[Seq], list[Seq], list]:
-    """(training sequences, held-out sequences, held-out rows); rank 0 generates replies."""
+def prepare_data(cfg: TrainConfig, loaded, d: Dist, cache_only: bool = False
+                 ) -> tuple[list[Seq], list[Seq], list]:
+    """(training sequences, held-out sequences, held-out rows); rank 0 generates replies (none
+    with cache_only), the other ranks read what it wrote."""
     train_rows, eval_rows = load_rows(cfg)
     data_dir = Path(cfg.data_dir) if cfg.data_dir else Path(cfg.out_dir) / "data"
     if d.world > 1 and not d.main:
         barrier()  # wait for rank 0 to fill the reply cache, then read it
     seqs = build_sequences(loaded, train_rows + eval_rows, cfg, data_dir,
-                           first=frozenset(rid for rid, _ in eval_rows))
+                           first=frozenset(rid for rid, _ in eval_rows),
+                           generate_missing=d.main and not cache_only)
     if d.world > 1 and d.main:
         barrier()
     eval_ids = {rid for rid, _ in eval_rows}
