@@ -141,6 +141,11 @@ def read_cache(path: Path) -> dict[str, list[int]]:
     return out
 
 
+def prompts_per_call(cfg: TrainConfig) -> int:
+    """Prompts per engine call: a batch for transformers, 64 batches for vLLM (it schedules)."""
+    return cfg.gen_batch_size if cfg.gen_engine == "transformers" else 64 * cfg.gen_batch_size
+
+
 def generation_order(todo: list[tuple[str, list[int]]], window: int | None,
                      first: frozenset[str] = frozenset()) -> list[tuple[str, list[int]]]:
     """Ids in `first`, then the rest; each sorted longest first (similar lengths share a batch,
@@ -176,10 +181,9 @@ def regenerate(loaded, prompts: list[tuple[str, list[int]]], cfg: TrainConfig,
         cached = read_cache(path) if path else {}
         done.update({rid: cached[rid] for rid, _ in part if rid in cached})
         todo = [(rid, ids) for rid, ids in part if rid not in cached]
-        window = None  # longest first, so each batch holds similar lengths (less left padding)
-        if cfg.gen_time_limit_minutes is not None:  # ... within windows: a cut stays unbiased
-            window = 16 * (cfg.gen_batch_size if cfg.gen_engine == "transformers"
-                           else 64 * cfg.gen_batch_size)
+        # longest first, so each batch holds similar lengths (less left padding), within
+        # windows of 16 batches under a time limit: a cut stays unbiased
+        window = None if cfg.gen_time_limit_minutes is None else 16 * prompts_per_call(cfg)
         todo = generation_order(todo, window, first)
         if todo:
             groups.append((t, path, meta, todo))
@@ -204,7 +208,7 @@ def _generate(loaded, cfg: TrainConfig, groups: list, done: dict, n_temps: int) 
 
     module, fn = ENGINES[cfg.gen_engine].split(":")
     generate = getattr(importlib.import_module(module), fn)(loaded, cfg)
-    chunk = cfg.gen_batch_size if cfg.gen_engine == "transformers" else 64 * cfg.gen_batch_size
+    chunk = prompts_per_call(cfg)
     temps = "/".join(f"{g[0]:g}" for g in groups)
     temp_note = "" if n_temps == 1 else f", T={temps}"
     bar = tqdm(total=sum(len(g[3]) for g in groups), unit="prompt", disable=not cfg.progress,
