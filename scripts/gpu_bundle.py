@@ -49,7 +49,7 @@ GPU_HAS = {"torch", "transformers", "safetensors", "tokenizers", "accelerate", "
            "certifi", "idna", "typer", "click", "shellingham", "rich", "markdown-it-py", "mdurl",
            "pygments", "annotated-doc", "pandas", "requests", "urllib3", "charset-normalizer",
            "python-dateutil", "six", "xxhash", "aiohttp", "aiosignal", "aiohappyeyeballs", "attrs",
-           "frozenlist", "multidict", "yarl", "propcache", "pyarrow"}
+           "frozenlist", "multidict", "yarl", "propcache"}
 NEEDED = ("datasets", "gguf")  # what training imports beyond GPU_HAS
 CODE_PACKAGES = ("heads", "training", "scripts", "plugin")  # treedraft.<name>
 
@@ -205,8 +205,37 @@ def _replies(files: list[Path], dest: Path) -> None:
         shutil.copyfile(f, dest / f.name)
 
 
+# what must agree between a bundle's runs: the target and the data they train on, and the
+# settings that key the reply cache the later runs read (they write no replies)
+SAME_DATA = ("target", "data", "prompt_offset", "num_prompts", "eval_prompts", "long_prompts",
+             "max_seq_len", "regenerate", "gen_engine", "reply_temperatures",
+             "gen_max_new_tokens", "seed", "dtype")
+
+
+def _then_configs(cfg, then: list[str]) -> list:
+    """The configs trained after the first on the same machine (`--then`), checked against it:
+    they train on its prompts and read the replies it wrote (gen_cache_only)."""
+    from treedraft.training.config import load_config
+
+    out = []
+    for path in then:
+        other = load_config(path, [])
+        other.validate()
+        value = lambda c, k: c.reply_temperatures() if k == "reply_temperatures" else getattr(c, k)  # noqa: E731
+        if diff := [k for k in SAME_DATA if value(other, k) != value(cfg, k)]:
+            theirs = ", ".join(f"{k}={value(other, k)!r}" for k in diff)
+            ours = ", ".join(f"{k}={value(cfg, k)!r}" for k in diff)
+            raise ValueError(f"--then {path}: {theirs} differ from the first run's ({ours}); a "
+                             "later run trains on the first run's prompts and replies, so these "
+                             "must match (put them in its file)")
+        stream_on_gpu(other, [])
+        other.gen_cache_only = True
+        out.append(other)
+    return out
+
+
 def build(out: Path, config: str | None, overrides: list[str], part_mib: int = 60,
-          replies: list[Path] = ()) -> list[Path]:
+          replies: list[Path] = (), then: list[str] = ()) -> list[Path]:
     """Write the bundle's parts (folders part-1, part-2, ...) under `out`; returns them."""
     from treedraft.training.config import load_config
 
@@ -214,6 +243,7 @@ def build(out: Path, config: str | None, overrides: list[str], part_mib: int = 6
     cfg.validate()
     _check_replies(list(replies))
     stream_on_gpu(cfg, overrides)
+    later = _then_configs(cfg, list(then))
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} is not empty; give a new folder for the bundle")
     payload = out / "payload"
@@ -224,15 +254,20 @@ def build(out: Path, config: str | None, overrides: list[str], part_mib: int = 6
     _packaged_files(payload)
     _replies(list(replies), payload / "run" / "data")  # out_dir {stage}/run, data_dir its data/
     _prompts(cfg, payload / "prompts.jsonl.gz")
-    # the prompts file starts at prompt_offset already: the run reads it from its first row
-    run_cfg = {**cfg.to_dict(), "target": target, "data": "{stage}/prompts.jsonl.gz",
-               "prompt_offset": 0, "out_dir": "{stage}/run", "data_dir": None}
-    if cfg.init_from:  # a head folder or a zoo name: ship the head (the code carries no weights)
-        from treedraft.training.heads_zoo import resolve_head
+    # the prompts file starts at prompt_offset already: each run reads it from its first row
+    runs = []
+    for i, c in enumerate([cfg, *later], start=1):
+        suffix = "" if i == 1 else f"-{i}"
+        run_cfg = {**c.to_dict(), "target": target, "data": "{stage}/prompts.jsonl.gz",
+                   "prompt_offset": 0, "out_dir": "{stage}/run" + suffix,
+                   "data_dir": None if i == 1 else "{stage}/run/data"}  # the first run's replies
+        if c.init_from:  # a head folder or a zoo name: ship the head (the code carries no weights)
+            from treedraft.training.heads_zoo import resolve_head
 
-        shutil.copytree(resolve_head(cfg.init_from), payload / "init_from")
-        run_cfg["init_from"] = "{stage}/init_from"
-    (payload / "config.json").write_text(json.dumps(run_cfg, indent=1))
+            shutil.copytree(resolve_head(c.init_from), payload / f"init_from{suffix}")
+            run_cfg["init_from"] = "{stage}/init_from" + suffix
+        (payload / f"config{suffix}.json").write_text(json.dumps(run_cfg, indent=1))
+        runs.append(f"config{suffix}.json")
     installed = _expected_installed(payload / "wheels")
     part_bytes = part_mib * MiB - MiB  # room for stage.py and the manifest
     files = _split(payload, part_bytes)
@@ -248,7 +283,7 @@ def build(out: Path, config: str | None, overrides: list[str], part_mib: int = 6
             k = len(parts) - 1
         parts[k].append(name)
         sizes[k] += size
-    manifest = {"parts": len(parts), "files": files, "installed": installed}
+    manifest = {"parts": len(parts), "files": files, "installed": installed, "runs": runs}
     out_parts = []
     for i, names in enumerate(parts, start=1):
         d = out / f"part-{i}"
@@ -269,10 +304,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replies", type=Path, nargs="+", default=[], metavar="GEN_JSONL",
                    help="reply caches to carry (data/gen-*.jsonl sent back by an earlier GPU "
                         "run): prompts answered there are not answered again")
+    p.add_argument("--then", nargs="+", default=[], metavar="CONFIG",
+                   help="more recipes trained on the same machine after the first, in order, on "
+                        "its prompts and the replies it wrote (e.g. a Medusa head after the "
+                        "EAGLE head); complete files: the command line's --key=value overrides "
+                        "apply to the first run only")
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> list[Path]:
-    parts = build(args.out, args.config, overrides, args.part_mib, args.replies)
+    parts = build(args.out, args.config, overrides, args.part_mib, args.replies, args.then)
     sizes = [sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) / MiB for p in parts]
     for p, s in zip(parts, sizes, strict=True):
         print(f"{p}  {s:.1f} MiB")

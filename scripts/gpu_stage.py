@@ -6,6 +6,9 @@ the head back. Standalone: runs on a machine where treedraft is not installed.
     python part-2/stage.py --run --out "$OUT" -- --max_steps=100    # extra `treedraft train` args
     python part-2/stage.py --run --out "$OUT" --limit-minutes 8     # train at most 8 minutes
 
+A bundle built with --then trains its configs in order (the later ones on the first one's prompts
+and replies); --limit-minutes bounds them all together, extra args go to the first.
+
 What comes back (head.tar.gz.000, ...): final/ (or, when training failed or ran past
 --limit-minutes, the newest checkpoint as final/ with the log saying so), train_log.jsonl and the
 replies the target wrote (data/gen-*.jsonl, reusable as a reply cache: put them in a run's
@@ -111,13 +114,14 @@ def install(root: Path, site: Path) -> None:
     print(f"[bundle] installed {len(todo)} wheels and treedraft into {site}")
 
 
-def train(root: Path, stage: Path, extra: list[str], limit_s: float | None = None
-          ) -> tuple[Path, int]:
-    """Run `treedraft train`; returns (its out_dir, exit status; 124 when stopped at limit_s)."""
-    cfg = json.loads((root / "config.json").read_text())
+def train(root: Path, stage: Path, extra: list[str], limit_s: float | None = None,
+          config: str = "config.json") -> tuple[Path, int]:
+    """Run `treedraft train` on one of the bundle's configs; returns (its out_dir, exit status;
+    124 when stopped at limit_s)."""
+    cfg = json.loads((root / config).read_text())
     fill = lambda v: v.replace("{stage}", str(root)) if isinstance(v, str) else v  # noqa: E731
     cfg = {k: fill(v) for k, v in cfg.items()}
-    cfg_path = stage / "config.json"
+    cfg_path = stage / config
     cfg_path.write_text(json.dumps(cfg, indent=1))
     # Batches of varying length fragment the CUDA caching allocator; expandable segments avoid
     # the free-and-retry stalls (a user's own PYTORCH_CUDA_ALLOC_CONF wins)
@@ -162,22 +166,26 @@ def newest_head(run: Path) -> Path | None:
     return found[-1].parent if found else None
 
 
-def send_back(run: Path, out: Path) -> list[Path]:
+def send_back(run: Path, out: Path, later: list[Path] = ()) -> list[Path]:
     """The head (final/ or the newest checkpoint, as final/, without optimizer state),
     train_log.jsonl and the reply caches (data/gen-*.jsonl) as head.tar.gz.000, .001, ... (at
-    most 8 files). What exists is sent, also after a failed run."""
+    most 8 files); the later runs' heads and logs under their folder's name (run-2/final/, ...).
+    What exists is sent, also after a failed run."""
     out.mkdir(parents=True, exist_ok=True)
     blob = out / "head.tar.gz"
-    head = newest_head(run)
     with tarfile.open(blob, "w:gz") as tar:
-        if head is not None:
-            tar.add(head, arcname="final", filter=lambda t: t if t.isdir() or t.name.endswith(
-                (".json", ".safetensors")) else None)  # not trainer_state.pt
-            print(f"[bundle] sending back {head}", flush=True)
-        else:
-            print("[bundle] no head was saved (training failed before its first checkpoint)")
-        if (run / "train_log.jsonl").is_file():
-            tar.add(run / "train_log.jsonl", arcname="train_log.jsonl")
+        for r in (run, *later):
+            prefix = "" if r == run else f"{r.name}/"
+            head = newest_head(r)
+            if head is not None:
+                tar.add(head, arcname=f"{prefix}final", filter=lambda t: t if t.isdir() or
+                        t.name.endswith((".json", ".safetensors")) else None)  # no optimizer
+                print(f"[bundle] sending back {head}", flush=True)
+            else:
+                print(f"[bundle] {r.name}: no head was saved (training failed before its first "
+                      "checkpoint)")
+            if (r / "train_log.jsonl").is_file():
+                tar.add(r / "train_log.jsonl", arcname=f"{prefix}train_log.jsonl")
         for gen in sorted((run / "data").glob("gen-*.jsonl")):
             tar.add(gen, arcname=f"data/{gen.name}")
     data = blob.read_bytes()
@@ -211,12 +219,25 @@ def main(argv: list[str] | None = None) -> None:
     check_machine(manifest)
     root = assemble(args.stage, manifest)
     install(root, args.stage / "site")
-    run, rc = train(root, args.stage, extra,
-                    None if args.limit_minutes is None else 60 * args.limit_minutes)
-    send_back(run, args.out)
-    if rc != 0:
-        raise SystemExit(f"[bundle] treedraft train exited with status {rc}; what it had saved "
-                         "was sent back")
+    import time
+
+    deadline = None if args.limit_minutes is None else time.monotonic() + 60 * args.limit_minutes
+    outs, failed = [], []
+    for i, config in enumerate(manifest.get("runs", ["config.json"])):
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            print(f"[bundle] no time left for {config} (--limit-minutes)", flush=True)
+            failed.append((config, "not started"))
+            continue
+        # the command line's extra arguments go to the first run, like the bundle's overrides
+        run, rc = train(root, args.stage, extra if i == 0 else [], left, config)
+        outs.append(run)
+        if rc != 0:
+            failed.append((config, f"status {rc}"))
+    send_back(outs[0], args.out, outs[1:])
+    if failed:
+        raise SystemExit(f"[bundle] treedraft train exited with {failed}; what was saved was "
+                         "sent back")
 
 
 if __name__ == "__main__":

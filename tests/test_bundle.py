@@ -105,10 +105,18 @@ def test_bundle_trains_on_a_bare_machine_dry_run(tmp_path):
     assert "final/trainer_state.pt" not in names and "train_log.jsonl" in names
     assert load_head(tmp_path / "back-failed" / "final").config.target.hidden_size == 576
 
-    # the replies sent back travel in the next bundle: that run answers no prompt again
+    # the replies sent back travel in the next bundle: that run answers no prompt again, and a
+    # second head (--then: Medusa) trains after it on the same prompts and replies
+    medusa = tmp_path / "medusa.yaml"
+    medusa.write_text("\n".join([
+        "target: smollm2-135m", "head_type: medusa", "head: {num_heads: 2, num_layers: 1}",
+        "data: sharegpt", "prompt_offset: 2", "num_prompts: 6", "eval_prompts: 0",
+        "long_prompts: skip", "gen_max_new_tokens: 8", "max_seq_len: 128", "dtype: float32",
+        "batch_size: 2", "max_steps: 2", "warmup_steps: 1", "eval_max_new_tokens: 4",
+        "acceptance_depth: 2", "progress: false", "out_dir: runs/unused"]))
     again = tmp_path / "bundle2"
     main(["bundle", str(again), "--config", "scripts/recipes/tiny-cpu.yaml", "--part-mib", "40",
-          "--replies", str(tmp_path / "back" / replies[0]), *TINY])
+          "--replies", str(tmp_path / "back" / replies[0]), "--then", str(medusa), *TINY])
     stage2, out2 = tmp_path / "stage2", tmp_path / "out2"
     parts2 = sorted(again.glob("part-*"))
     for p in parts2[:-1]:
@@ -121,6 +129,16 @@ def test_bundle_trains_on_a_bare_machine_dry_run(tmp_path):
         gens = [m for m in tar.getmembers() if m.name.startswith("data/gen-")]
         assert [m.name for m in gens] == [replies[0]]  # the same cache: no new settings hash
         assert tar.extractfile(gens[0]).read().decode().splitlines() == lines  # nothing added
+        tar.extractall(tmp_path / "back2")
+    assert load_head(tmp_path / "back2" / "run-2" / "final").head_type == "medusa"
+    log2 = (tmp_path / "back2" / "run-2" / "train_log.jsonl").read_text().splitlines()
+    assert sum('"lr"' in ln for ln in log2) == 2
+    assert load_head(tmp_path / "back2" / "final").head_type == "eagle"
+    # a later run must train on the first one's prompts: a different selection is named
+    medusa.write_text(medusa.read_text().replace("num_prompts: 6", "num_prompts: 7"))
+    with pytest.raises(SystemExit, match=r"num_prompts=7 differ"):
+        main(["bundle", str(tmp_path / "bundle4"), "--config", "scripts/recipes/tiny-cpu.yaml",
+              "--then", str(medusa), *TINY])
     with pytest.raises(SystemExit, match="not a reply cache"):
         main(["bundle", str(tmp_path / "bundle3"), "--config", "scripts/recipes/tiny-cpu.yaml",
               "--replies", str(tmp_path / "back" / "train_log.jsonl"), *TINY])

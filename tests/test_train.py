@@ -501,6 +501,36 @@ def test_gen_time_limit_stops_generation_and_answers_held_out_prompts_first(tiny
     assert calls[2:] == [(1, 0.0), (1, 1.0)] and len(seqs) == 6
 
 
+def test_gen_cache_only_trains_on_the_cached_replies_and_writes_none(tiny, tmp_path,
+                                                                    monkeypatch, capsys):
+    from treedraft.training.data import load_prompts
+    from treedraft.training.target import load_target
+
+    target, prompts = tiny
+    calls = []
+
+    def engine(loaded, cfg):
+        def run(prompts, temperature):
+            calls.append(len(prompts))
+            return [[7, 8, 9] for _ in prompts]
+        return run
+
+    monkeypatch.setattr(generate, "transformers_engine", engine)
+    data, out = tmp_path / "data", tmp_path / "run"
+    kw = dict(data_dir=data, num_prompts=6, eval_prompts=0, max_steps=1)
+    ds = load_prompts(prompts, purpose="train", limit=3)  # a cache that answers 3 of the 6
+    generate.build_sequences(load_target(target), list(zip(ds["id"], ds["messages"], strict=True)),
+                             cfg_of(tiny, out, **kw), data)
+    assert calls == [3]
+    cache = sorted(data.glob("gen-*.jsonl"))
+    before = [p.read_text() for p in cache]
+    main(["train", *args(tiny, out, **kw), "--gen_cache_only=true"])
+    assert calls == [3]  # no engine call: the other three prompts are left out
+    assert "replies read from the cache only: 3 of 6 prompts" in capsys.readouterr().out
+    assert [p.read_text() for p in sorted(data.glob("gen-*.jsonl"))] == before
+    assert (out / "final" / "config.json").is_file()
+
+
 def test_cli_reports_bad_input_as_error_line(tmp_path):
     with pytest.raises(SystemExit, match=r"treedraft train: error: unknown config keys \['nope'\]"):
         main(["train", "--nope=1"])

@@ -61,6 +61,8 @@ class TrainConfig:
     gen_time_limit_minutes: float | None = None  # stop writing replies after this long and train
     #   on those written (prompts taken in data order, length-sorted within windows, so a cut
     #   keeps an unbiased sample; held-out prompts first); None = answer every prompt
+    gen_cache_only: bool = False  # write no replies: train on the prompts the reply cache in
+    #   data_dir answers (e.g. a GPU run's, for a second head on the same data), skip the rest
     max_seq_len: int = 1024  # prompt + reply tokens; longer sequences are cut
     # --- optimisation
     batch_size: int = 4  # sequences per micro-batch (per process)

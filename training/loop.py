@@ -228,7 +228,8 @@ def train(cfg: TrainConfig, resume: str | os.PathLike | None = None) -> Path | N
     objective = Objective(head, cfg)  # checks step_weights against the head
     # a resumed run whose reply generation was cut sees the replies it trained on, no more
     train_seqs, eval_seqs, eval_rows = prepare_data(
-        cfg, loaded, d, cache_only=ckpt is not None and cfg.gen_time_limit_minutes is not None)
+        cfg, loaded, d, cache_only=cfg.gen_cache_only or (
+            ckpt is not None and cfg.gen_time_limit_minutes is not None))
     vd = getattr(head.config, "draft_vocab_size", None)
     if vd is not None and not cfg.init_from:
         head.set_draft_vocab(choose_draft_vocab(train_seqs, head.config.target.vocab_size, vd))
@@ -390,7 +391,9 @@ def prepare_data(cfg: TrainConfig, loaded, d: Dist, cache_only: bool = False
     eval_ids = {rid for rid, _ in eval_rows}
     train_seqs = [s for s in seqs if s.id not in eval_ids]
     if not train_seqs:
-        raise ValueError(f"no training sequences left from data={cfg.data!r}")
+        hint = (f": gen_cache_only=true and the reply cache in {data_dir} answers none of these "
+                "prompts (same target, gen_* settings and seed?)" if cfg.gen_cache_only else "")
+        raise ValueError(f"no training sequences left from data={cfg.data!r}{hint}")
     return train_seqs, [s for s in seqs if s.id in eval_ids], eval_rows
 
 
