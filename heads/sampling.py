@@ -130,6 +130,8 @@ def draw_rows(probs: Tensor, uniforms: Tensor) -> Tensor:
         raise ValueError(f"draw_rows takes probs [N, V] and uniforms [N], got "
                          f"{tuple(probs.shape)} and {tuple(uniforms.shape)}")
     N, V = probs.shape
+    if N == 0:  # e.g. a sampled step where no request has a draft position
+        return torch.empty(0, dtype=torch.long, device=probs.device)
     x = probs.float()
     if V % DRAW_BLOCK:
         x = torch.nn.functional.pad(x, (0, DRAW_BLOCK - V % DRAW_BLOCK))

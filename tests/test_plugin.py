@@ -115,6 +115,28 @@ def test_vllm_rejection_sampler_keeps_the_target_distribution_with_our_recovered
     assert seeded[0] == seeded[1]
 
 
+def test_vllm_rejection_sampler_with_our_recovered_tokens_takes_a_step_without_drafts():
+    """A sampled step in which no request has a draft (vLLM's ngram found no match for any):
+    vLLM still calls `sample_recovered_tokens` with zero positions; every request gets its
+    bonus token. The plugin's replacement crashed the engine there (session 26: `ngram` at
+    T=1 in `treedraft bench`)."""
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.sample import rejection_sampler
+
+    from treedraft.plugin import patching, sampler
+
+    patching.apply(sampler.CPU_PATCHES)
+    CpuPlatform.register_triton_kernel_overrides()
+    B, V = 3, 49152
+    meta = SimpleNamespace(all_greedy=False, all_random=True, temperature=torch.ones(B),
+                           generators={})
+    bonus = torch.tensor([[5], [6], [7]], dtype=torch.int32)
+    out = rejection_sampler.rejection_sample(
+        torch.empty(0, dtype=torch.int32), [0] * B, 3, torch.zeros(B, dtype=torch.int32), None,
+        torch.empty(0, V), bonus, meta)
+    assert out[:, 0].tolist() == [5, 6, 7]
+
+
 # ----------------------------------------------------------------------------- tree attention
 @pytest.mark.parametrize("fast_bf16", [True, False], ids=["amx-cpu", "avx2-cpu"])
 def test_head_linears_run_on_vllms_cpu_gemm(fast_bf16):

@@ -251,6 +251,11 @@ def test_draw_follows_the_distribution_and_never_draws_a_zero():
         draw(torch.ones(2, 4), g)
 
 
+def test_draw_rows_of_no_rows_is_empty():
+    out = draw_rows(torch.empty(0, 49152), torch.empty(0, dtype=torch.float64))
+    assert out.shape == (0,) and out.dtype == torch.long
+
+
 def test_draw_rows_inverts_the_cdf_exactly_across_blocks():
     """`draw_rows` at a grid of M uniforms (k + 0.5) / M: index i is drawn for the grid points in
     its CDF interval, i.e. M * p_i of them up to one at each end. Weights span several blocks with
