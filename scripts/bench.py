@@ -498,12 +498,22 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
     progress = Progress(names, jobs)
     llm = {"max_num_seqs": max(o["batch_sizes"]), "dtype": vllm_dtype,
            "enforce_eager": o["enforce_eager"]}
-    rows = []
+    rows, failed = [], []
     for i, (rnd, c) in enumerate(runs):
         # the worker zeroes this file when its runner starts, then rewrites it after every step
         env = {PROFILE_ENV: str((out / f"profile-{i}.json").resolve())} if profile else None
-        results, log = progress.run(i, names[i], lambda cb, c=c, env=env: run_engine(
-            target_dir, specs[c], jobs, llm=llm, timeout=7200, progress=cb, env=env))
+        try:
+            results, log = progress.run(i, names[i], lambda cb, c=c, env=env: run_engine(
+                target_dir, specs[c], jobs, llm=llm, timeout=7200, progress=cb, env=env))
+        except RuntimeError as e:  # an engine that failed: the others still run and report
+            if c == configs[0]:
+                raise  # the baseline: nothing to compare with
+            (out / f"engine-{i}.log").write_text(str(e))
+            failed.append(names[i])
+            print(f"[bench] {names[i]} FAILED (its log: {out / f'engine-{i}.log'}): "
+                  f"{str(e).strip().splitlines()[-1][:300]}; the other configurations go on",
+                  flush=True)
+            continue
         (out / f"engine-{i}.log").write_text(log)  # the engine's own log (e.g. auto's choices)
         done = [_row(c, j, results[j["name"]]) for j in jobs]
         if by_category:
@@ -515,7 +525,7 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
             "max_new_tokens": o["max_new_tokens"], "baseline": configs[0],
             "dtype": vllm_dtype, "dtype_requested": dtype, "enforce_eager": o["enforce_eager"],
             "machine": machine, "seconds": sum(progress.finished), "profile": profile,
-            "rounds": rounds, "continuous": continuous}
+            "rounds": rounds, "continuous": continuous, "failed": failed}
     (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     table = markdown(rows)
     if len(groups) > 1:
@@ -537,4 +547,6 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
     print(table)
     print(best_speedup([r for r in rows if r["prompts"] == main], configs[0])
           + (f" ({main})" if len(groups) > 1 else ""))
+    if failed:
+        print(f"[bench] FAILED, not in the table: {', '.join(failed)} (engine logs in {out})")
     return rows

@@ -335,6 +335,42 @@ def test_bench_progress_estimate_and_closing_line():
     assert PRESETS["full"]["limit"] == 80 and PRESETS["full"]["max_new_tokens"] == 256
 
 
+def test_bench_reports_the_other_configs_when_one_engine_fails(tmp_path, monkeypatch, capsys):
+    """An engine that dies (session 26: vLLM's ngram at T=1) costs its own row, not the bench:
+    the other configurations run and are tabled, the failure is named with its log; a failed
+    baseline stops the bench (nothing to compare with)."""
+    from treedraft.scripts import engine
+    from treedraft.scripts.bench import bench
+
+    calls = []
+
+    def fake(target_dir, spec, jobs, **kw):  # the engine's result format, without an engine
+        calls.append(spec)
+        if spec is not None and spec.get("method") == "ngram":
+            raise RuntimeError("vLLM engine run failed (exit 1):\nWorker failed with error 'x'")
+        res = {}
+        for j in jobs:
+            n, bs = len(j["prompts"]), j["batch_size"]
+            res[j["name"]] = {"tokens": [[1] * j["params"]["max_tokens"]] * n,
+                              "wave_seconds": [1.0] * -(-n // bs),
+                              "spec": {"drafts": 0, "draft_tokens": 0, "accepted": 0,
+                                       "accepted_per_pos": [], "mean_acceptance_length": None}}
+        return res, "engine log"
+
+    monkeypatch.setattr(engine, "run_engine", fake)
+    kw = dict(prompts="mtbench", limit=2, max_new_tokens=4, batch_sizes=[1], temperatures=[0],
+              out=tmp_path / "b")
+    rows = bench(configs=["no-spec", "ngram=3", "chain=2"], **kw)
+    assert len(calls) == 3 and {r["config"] for r in rows} == {"no-spec", "chain=2"}
+    out = capsys.readouterr().out
+    assert "ngram=3 FAILED" in out and "Worker failed with error 'x'" in out
+    assert "FAILED, not in the table: ngram=3" in out
+    assert "Worker failed" in (tmp_path / "b" / "engine-1.log").read_text()
+    assert json.loads((tmp_path / "b" / "bench.json").read_text())["meta"]["failed"] == ["ngram=3"]
+    with pytest.raises(RuntimeError, match="engine run failed"):
+        bench(configs=["ngram=3", "no-spec"], **kw)
+
+
 def test_machine_command_prints_flags_and_dtype():
     from treedraft.training.machine import default_dtype
 
