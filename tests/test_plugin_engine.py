@@ -399,6 +399,12 @@ def test_greedy_outputs_identical_to_no_speculation(runs, name, prompts, target)
         _, ms, measured, explored, checked = said[-1]  # chose from what it measured
         assert float(ms) > 0 and int(measured) >= 12 and int(explored) >= 1, said
         assert int(checked) > 0, said  # catch-up commits tested the head (acceptance signal)
+        # a sampled request drafted for: its head nodes as one chain drawn from q, verified
+        # against q (the queued job's odd requests sample)
+        drew = re.findall(r"treedraft auto: \d+ drafting requests \((\d+) sampling\) -> (\d+) "
+                          r"nodes each", log)
+        if any(int(k) > 0 and int(m) > 1 for k, m in drew):
+            assert "tree mode verifies chains drawn from the head's q against q" in log, drew
 
 
 def test_auto_under_a_queue_of_greedy_and_sampled_requests(runs, prompts, target):
