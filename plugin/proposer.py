@@ -242,6 +242,17 @@ class AutoBudget:
         self._sampling = sampling or set()
 
 
+def auto_chain_depth(n: int, budget: int, spec, head) -> int:
+    """Under "auto", the depth of the chain a sampled request draws from q for a step of `n`
+    head nodes: n, within the step's scheduled `budget`, the depth of the head's tree (its
+    `dynamic` depth, else MAX_TREE_DEPTH) and what the head can draft (a Medusa head has one
+    head per depth: `num_heads`)."""
+    cap = spec.head_spec.depth or MAX_TREE_DEPTH
+    if getattr(head, "head_type", None) == "medusa":
+        cap = min(cap, head.config.num_heads)
+    return max(0, min(n, budget, cap))
+
+
 def _tp_rank0() -> bool:
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
@@ -484,7 +495,7 @@ class TreeDraftProposer:
         # head's tree at most) accept more at T > 0 than the head's n-node top-k tree (bench,
         # batch 1, T=1, session 26: chain=3 1.28x no-spec where auto's trees gave 1.04x)
         chain_depth = min(spec.chain_nodes or 0, budget)
-        q_depth = chain_depth or (min(n, budget, self.spec.head_spec.depth or MAX_TREE_DEPTH)
+        q_depth = chain_depth or (auto_chain_depth(n, budget, self.spec, self.head)
                                   if self.auto is not None and spec.has_head else 0)
         jobs = []  # (i, req_id, root, session, lookup index)
         chains = []  # (i, (root, session, params, generator)) of sampled chains

@@ -38,6 +38,7 @@ import sys
 import tarfile
 from pathlib import Path
 
+from .gpu_stage import SAME_DATA as STAGE_SAME_DATA
 from .gpu_stage import sha256_of  # the stage script checks what this writes, with this helper
 
 MiB = 1 << 20
@@ -207,9 +208,8 @@ def _replies(files: list[Path], dest: Path) -> None:
 
 # what must agree between a bundle's runs: the target and the data they train on, and the
 # settings that key the reply cache the later runs read (they write no replies)
-SAME_DATA = ("target", "data", "prompt_offset", "num_prompts", "eval_prompts", "long_prompts",
-             "max_seq_len", "regenerate", "gen_engine", "reply_temperatures",
-             "gen_max_new_tokens", "seed", "dtype")
+SAME_DATA = tuple(k for k in STAGE_SAME_DATA if k not in (
+    "gen_temperature", "gen_temperatures", "data_dir", "out_dir")) + ("reply_temperatures",)
 
 
 def _then_configs(cfg, then: list[str]) -> list:

@@ -24,6 +24,7 @@ import argparse
 import hashlib
 import importlib.metadata
 import importlib.util
+import io
 import json
 import os
 import shutil
@@ -36,6 +37,11 @@ from pathlib import Path
 PREINSTALLED = ("torch", "transformers", "safetensors", "tokenizers", "accelerate", "yaml", "tqdm",
                 "numpy", "pyarrow")
 PIECE = 15 << 20  # bytes per file sent back (the limit is 16 MiB and 8 files)
+# what a bundle's later runs (--then) share with the first: the config keys that select the
+# prompts and key the reply cache (gpu_bundle.SAME_DATA, which imports this one)
+SAME_DATA = ("target", "data", "prompt_offset", "num_prompts", "eval_prompts", "long_prompts",
+             "max_seq_len", "regenerate", "gen_engine", "gen_temperature", "gen_temperatures",
+             "gen_max_new_tokens", "seed", "dtype", "data_dir", "out_dir")
 
 
 def sha256_of(path: Path) -> str:
@@ -135,8 +141,8 @@ def train(root: Path, stage: Path, extra: list[str], limit_s: float | None = Non
     try:
         rc = proc.wait(timeout=limit_s)
     except subprocess.TimeoutExpired:
-        print(f"[bundle] training ran past --limit-minutes ({limit_s / 60:g}): stopping it; the "
-              "newest checkpoint goes back", flush=True)
+        print(f"[bundle] {config}: training ran past --limit-minutes (its {limit_s / 60:.2f} "
+              "min left): stopping it; the newest checkpoint goes back", flush=True)
         stop_group(proc)
         rc = 124
     return Path(cfg["out_dir"]), rc
@@ -166,33 +172,45 @@ def newest_head(run: Path) -> Path | None:
     return found[-1].parent if found else None
 
 
-def send_back(run: Path, out: Path, later: list[Path] = ()) -> list[Path]:
+def send_back(run: Path, out: Path, later: list[Path] = (), pieces_max: int = 8) -> list[Path]:
     """The head (final/ or the newest checkpoint, as final/, without optimizer state),
     train_log.jsonl and the reply caches (data/gen-*.jsonl) as head.tar.gz.000, .001, ... (at
-    most 8 files); the later runs' heads and logs under their folder's name (run-2/final/, ...).
-    What exists is sent, also after a failed run."""
+    most `pieces_max` files); the later runs' heads and logs under their folder's name
+    (run-2/final/, ...). What exists is sent, also after a failed run. When it all does not fit,
+    the reply caches stay behind first, then the later runs' heads (each said), never the first
+    head."""
     out.mkdir(parents=True, exist_ok=True)
-    blob = out / "head.tar.gz"
-    with tarfile.open(blob, "w:gz") as tar:
-        for r in (run, *later):
-            prefix = "" if r == run else f"{r.name}/"
-            head = newest_head(r)
-            if head is not None:
-                tar.add(head, arcname=f"{prefix}final", filter=lambda t: t if t.isdir() or
-                        t.name.endswith((".json", ".safetensors")) else None)  # no optimizer
-                print(f"[bundle] sending back {head}", flush=True)
-            else:
-                print(f"[bundle] {r.name}: no head was saved (training failed before its first "
-                      "checkpoint)")
-            if (r / "train_log.jsonl").is_file():
-                tar.add(r / "train_log.jsonl", arcname=f"{prefix}train_log.jsonl")
-        for gen in sorted((run / "data").glob("gen-*.jsonl")):
-            tar.add(gen, arcname=f"data/{gen.name}")
-    data = blob.read_bytes()
-    blob.unlink()
+    heads = [(r, "" if r == run else f"{r.name}/", newest_head(r)) for r in (run, *later)]
+    for r, _, head in heads:
+        if head is None:
+            print(f"[bundle] {r.name}: no head was saved (training failed before its first "
+                  "checkpoint)")
+    replies = sorted((run / "data").glob("gen-*.jsonl"))
+    for keep_replies, keep_later in ((True, len(later)), (False, len(later)),
+                                     *((False, k) for k in range(len(later) - 1, -1, -1))):
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+            for r, prefix, head in heads[: 1 + keep_later]:
+                if head is not None:
+                    tar.add(head, arcname=f"{prefix}final", filter=lambda t: t if t.isdir() or
+                            t.name.endswith((".json", ".safetensors")) else None)  # no optimizer
+                if (r / "train_log.jsonl").is_file():
+                    tar.add(r / "train_log.jsonl", arcname=f"{prefix}train_log.jsonl")
+            for gen in replies if keep_replies else ():
+                tar.add(gen, arcname=f"data/{gen.name}")
+        data = buf.getvalue()
+        if (len(data) + PIECE - 1) // PIECE <= pieces_max:
+            break
+        print(f"[bundle] {len(data) >> 20} MiB is more than {pieces_max} pieces: leaving "
+              + ("the reply caches" if keep_replies else f"{heads[keep_later][0].name}") + " behind",
+              flush=True)
+    else:
+        raise SystemExit(f"[bundle] the head alone is {len(data) >> 20} MiB: more than "
+                         f"{pieces_max} pieces")
+    for _, _, head in heads[: 1 + keep_later]:
+        if head is not None:
+            print(f"[bundle] sending back {head}", flush=True)
     pieces = [out / f"head.tar.gz.{i:03d}" for i in range(0, (len(data) + PIECE - 1) // PIECE)]
-    if len(pieces) > 8:
-        raise SystemExit(f"[bundle] the head is {len(data) >> 20} MiB: more than 8 pieces")
     for i, p in enumerate(pieces):
         p.write_bytes(data[i * PIECE : (i + 1) * PIECE])
     print(f"[bundle] head written to {out}: {[p.name for p in pieces]}; "
@@ -211,11 +229,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--limit-minutes", type=float, default=None,
                    help="stop training after this long and send back the newest checkpoint")
     args = p.parse_args(argv)
+    if args.limit_minutes is not None and args.limit_minutes <= 0:
+        p.error(f"--limit-minutes {args.limit_minutes:g} must be > 0")
     manifest = stage_part(Path(__file__).resolve().parent, args.stage)
     if not args.run:
         return
     if args.out is None:
         p.error("--run needs --out (the folder whose files come back)")
+    runs = manifest.get("runs", ["config.json"])
+    if len(runs) > 1 and (same := [a for a in extra if a.lstrip("-").split("=")[0].replace(
+            "-", "_") in SAME_DATA]):
+        p.error(f"{same}: the later runs ({', '.join(runs[1:])}) train on the first run's "
+                "prompts and replies, so these cannot change for the first alone; build the "
+                "bundle with them instead")
     check_machine(manifest)
     root = assemble(args.stage, manifest)
     install(root, args.stage / "site")
@@ -223,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
 
     deadline = None if args.limit_minutes is None else time.monotonic() + 60 * args.limit_minutes
     outs, failed = [], []
-    for i, config in enumerate(manifest.get("runs", ["config.json"])):
+    for i, config in enumerate(runs):
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
             print(f"[bundle] no time left for {config} (--limit-minutes)", flush=True)

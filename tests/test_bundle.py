@@ -24,7 +24,7 @@ TINY = ["--prompt_offset=2", "--num_prompts=6", "--eval_prompts=0", "--gen_max_n
         "--batch_size=2", "--max_seq_len=128", "--eval_max_new_tokens=4", "--progress=false"]
 
 
-def test_bundle_trains_on_a_bare_machine_dry_run(tmp_path):
+def test_bundle_trains_on_a_bare_machine_dry_run(tmp_path, monkeypatch):
     from treedraft.heads.common import load_head
     from treedraft.scripts.cli import main
     from treedraft.training.models import EMBEDDED_MODELS
@@ -134,6 +134,25 @@ def test_bundle_trains_on_a_bare_machine_dry_run(tmp_path):
     log2 = (tmp_path / "back2" / "run-2" / "train_log.jsonl").read_text().splitlines()
     assert sum('"lr"' in ln for ln in log2) == 2
     assert load_head(tmp_path / "back2" / "final").head_type == "eagle"
+    # what does not fit the 8 pieces stays behind, replies first, then later heads, never the
+    # first head
+    monkeypatch.setattr(stage_mod, "PIECE", 1 << 16)
+    run2 = stage2 / "payload" / "run"
+    every = stage_mod.send_back(run2, tmp_path / "o-all", [run2.with_name("run-2")],
+                                pieces_max=10_000)
+    fewer = stage_mod.send_back(run2, tmp_path / "o-fewer", [run2.with_name("run-2")],
+                                pieces_max=len(every) - 1)
+    with tarfile.open(fileobj=io.BytesIO(b"".join(p.read_bytes() for p in fewer))) as tar:
+        kept = tar.getnames()
+    assert len(fewer) < len(every) and "final/config.json" in kept
+    assert not any(n.startswith("data/") for n in kept)
+    with pytest.raises(SystemExit, match="the head alone"):
+        stage_mod.send_back(run2, tmp_path / "o-one", [run2.with_name("run-2")], pieces_max=1)
+    # the first run's data cannot change alone when later runs share it
+    proc = subprocess.run([*stage_py, str(parts2[-1] / "stage.py"), "--stage", str(stage2),
+                           "--run", "--out", str(tmp_path / "o5"), "--", "--num_prompts=3"],
+                          capture_output=True, text=True)
+    assert proc.returncode != 0 and "cannot change for the first alone" in proc.stderr
     # a later run must train on the first one's prompts: a different selection is named
     medusa.write_text(medusa.read_text().replace("num_prompts: 6", "num_prompts: 7"))
     with pytest.raises(SystemExit, match=r"num_prompts=7 differ"):

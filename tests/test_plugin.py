@@ -579,6 +579,25 @@ def test_targets_trees_cannot_serve_are_refused_at_startup(override, message):
     assert chain.additional_config["treedraft"]["tree"] == "chain:3"
 
 
+def test_auto_sampled_chains_stay_within_what_the_head_drafts():
+    """Under auto a sampled request draws its n head nodes as one chain from q: never deeper
+    than the step's budget, the head's tree, or a Medusa head's heads (one per depth: deeper,
+    its session raises and the engine died)."""
+    from treedraft.heads.common import load_head
+    from treedraft.heads.tree import MAX_TREE_DEPTH, parse_tree_spec
+    from treedraft.plugin.proposer import auto_chain_depth
+    from treedraft.training.heads_zoo import resolve_head
+
+    medusa = load_head(resolve_head("smollm2-135m-medusa"))
+    eagle = load_head(resolve_head("smollm2-135m-eagle"))
+    static, dyn = parse_tree_spec("static:32"), parse_tree_spec("dynamic:64,6,8+lookup:4")
+    assert auto_chain_depth(8, 64, static, medusa) == medusa.config.num_heads == 4
+    assert auto_chain_depth(3, 64, static, medusa) == 3
+    assert auto_chain_depth(16, 64, dyn, eagle) == 6 and auto_chain_depth(16, 5, dyn, eagle) == 5
+    assert auto_chain_depth(32, 64, static, eagle) == MAX_TREE_DEPTH
+    assert auto_chain_depth(0, 64, dyn, eagle) == 0
+
+
 def test_auto_explores_up_from_nothing_with_a_few_requests():
     from treedraft.heads.tree import parse_tree_spec
     from treedraft.plugin.proposer import AutoBudget
