@@ -212,6 +212,12 @@ SAME_DATA = tuple(k for k in STAGE_SAME_DATA if k not in (
     "gen_temperature", "gen_temperatures", "data_dir", "out_dir")) + ("reply_temperatures",)
 
 
+def _data_value(cfg, key: str):
+    """A SAME_DATA entry of `cfg` (reply_temperatures: the temperatures replies are written at,
+    however gen_temperature / gen_temperatures spell them)."""
+    return cfg.reply_temperatures() if key == "reply_temperatures" else getattr(cfg, key)
+
+
 def _then_configs(cfg, then: list[str]) -> list:
     """The configs trained after the first on the same machine (`--then`), checked against it:
     they train on its prompts and read the replies it wrote (gen_cache_only)."""
@@ -221,10 +227,9 @@ def _then_configs(cfg, then: list[str]) -> list:
     for path in then:
         other = load_config(path, [])
         other.validate()
-        value = lambda c, k: c.reply_temperatures() if k == "reply_temperatures" else getattr(c, k)  # noqa: E731
-        if diff := [k for k in SAME_DATA if value(other, k) != value(cfg, k)]:
-            theirs = ", ".join(f"{k}={value(other, k)!r}" for k in diff)
-            ours = ", ".join(f"{k}={value(cfg, k)!r}" for k in diff)
+        if diff := [k for k in SAME_DATA if _data_value(other, k) != _data_value(cfg, k)]:
+            theirs = ", ".join(f"{k}={_data_value(other, k)!r}" for k in diff)
+            ours = ", ".join(f"{k}={_data_value(cfg, k)!r}" for k in diff)
             raise ValueError(f"--then {path}: {theirs} differ from the first run's ({ours}); a "
                              "later run trains on the first run's prompts and replies, so these "
                              "must match (put them in its file)")

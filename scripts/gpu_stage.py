@@ -199,7 +199,8 @@ def send_back(run: Path, out: Path, later: list[Path] = (), pieces_max: int = 8)
             for gen in replies if keep_replies else ():
                 tar.add(gen, arcname=f"data/{gen.name}")
         data = buf.getvalue()
-        if (len(data) + PIECE - 1) // PIECE <= pieces_max:
+        count = -(-len(data) // PIECE)  # pieces of at most PIECE bytes
+        if count <= pieces_max:
             break
         print(f"[bundle] {len(data) >> 20} MiB is more than {pieces_max} pieces: leaving "
               + ("the reply caches" if keep_replies else f"{heads[keep_later][0].name}") + " behind",
@@ -210,7 +211,7 @@ def send_back(run: Path, out: Path, later: list[Path] = (), pieces_max: int = 8)
     for _, _, head in heads[: 1 + keep_later]:
         if head is not None:
             print(f"[bundle] sending back {head}", flush=True)
-    pieces = [out / f"head.tar.gz.{i:03d}" for i in range(0, (len(data) + PIECE - 1) // PIECE)]
+    pieces = [out / f"head.tar.gz.{i:03d}" for i in range(count)]
     for i, p in enumerate(pieces):
         p.write_bytes(data[i * PIECE : (i + 1) * PIECE])
     print(f"[bundle] head written to {out}: {[p.name for p in pieces]}; "
