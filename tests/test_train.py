@@ -501,6 +501,44 @@ def test_gen_time_limit_stops_generation_and_answers_held_out_prompts_first(tiny
     assert calls[2:] == [(1, 0.0), (1, 1.0)] and len(seqs) == 6
 
 
+def test_gen_all_replies_trains_on_the_other_temperatures_cached_replies(tiny, tmp_path,
+                                                                         monkeypatch, capsys):
+    from treedraft.training.data import load_prompts
+    from treedraft.training.target import load_target
+
+    target, prompts = tiny
+    ds = load_prompts(prompts, purpose="train", limit=6)
+    rows = list(zip(ds["id"], ds["messages"], strict=True))
+    calls = []
+
+    def engine(loaded, cfg):
+        def run(prompts, temperature):
+            calls.append((len(prompts), temperature))
+            return [[7, 8] if temperature == 0 else [9] for _ in prompts]
+        return run
+
+    monkeypatch.setattr(generate, "transformers_engine", engine)
+    loaded, data = load_target(target), tmp_path / "data"
+    # an earlier all-greedy run answered all six prompts at T=0
+    generate.build_sequences(loaded, rows, cfg_of(tiny, tmp_path, gen_temperature=0), data)
+    assert calls == [(6, 0.0)]
+    held_out = frozenset({rows[3][0]})
+    cfg = cfg_of(tiny, tmp_path, gen_temperatures="[0,1]")
+    plain = generate.build_sequences(loaded, rows, cfg, data, held_out, held_out=held_out)
+    assert calls[1:] == [(3, 1.0)] and len(plain) == 6  # the odd prompts answered at T=1
+    cfg.gen_all_replies = True
+    seqs = generate.build_sequences(loaded, rows, cfg, data, held_out, held_out=held_out)
+    assert calls[1:] == [(3, 1.0)]  # nothing generated
+    assert [s.id for s in seqs[:6]] == [s.id for s in plain]
+    # the greedy replies of prompts 1 and 5 join; prompt 3 is held out and gets none
+    extra = seqs[6:]
+    assert [s.id for s in extra] == [f"{rows[1][0]}@T0", f"{rows[5][0]}@T0"]
+    assert all(s.input_ids[s.prompt_len:] == [7, 8] for s in extra)
+    assert [s.input_ids[: s.prompt_len] for s in extra] == [
+        p.input_ids[: p.prompt_len] for p in (plain[1], plain[5])]
+    assert "gen_all_replies: 2 more sequences" in capsys.readouterr().out
+
+
 def test_gen_cache_only_trains_on_the_cached_replies_and_writes_none(tiny, tmp_path,
                                                                     monkeypatch, capsys):
     from treedraft.training.data import load_prompts

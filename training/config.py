@@ -63,6 +63,10 @@ class TrainConfig:
     #   keeps an unbiased sample; held-out prompts first); None = answer every prompt
     gen_cache_only: bool = False  # write no replies: train on the prompts the reply cache in
     #   data_dir answers (e.g. a GPU run's, for a second head on the same data), skip the rest
+    gen_all_replies: bool = False  # also train on each training prompt's cached replies at the
+    #   gen_temperatures its index does not assign (e.g. the greedy replies an all-T=0 run wrote
+    #   to the odd prompts that [0, 1] answers at T=1): more sequences, no generation; the
+    #   held-out prompts never get them
     max_seq_len: int = 1024  # prompt + reply tokens; longer sequences are cut
     # --- optimisation
     batch_size: int = 4  # sequences per micro-batch (per process)

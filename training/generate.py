@@ -68,17 +68,44 @@ def encode_prompts(tokenizer, rows: list[tuple[str, list[dict]]], cfg: TrainConf
 
 def build_sequences(loaded, rows: list[tuple[str, list[dict]]], cfg: TrainConfig,
                     data_dir: Path | None, first: frozenset[str] = frozenset(),
-                    generate_missing: bool = True) -> list[Seq]:
+                    generate_missing: bool = True, held_out: frozenset[str] = frozenset()
+                    ) -> list[Seq]:
     """Prompt + reply sequences for `rows` ((id, messages) pairs), cut at max_seq_len. Rows
     whose reply was not written (gen_time_limit_minutes, or generate_missing=False: the cache
-    only) are left out; ids in `first` are answered before the others."""
+    only) are left out; ids in `first` are answered before the others. With gen_all_replies,
+    the cached replies at the other temperatures follow, as ids `<id>@T<t>` (none for the ids
+    in `held_out`)."""
     prompts = encode_prompts(loaded.tokenizer, rows, cfg)
     if cfg.regenerate:
         replies = regenerate(loaded, prompts, cfg, data_dir, first, generate_missing)
     else:
         replies = dataset_replies(loaded.tokenizer, rows, dict(prompts))
-    return [Seq(rid, (ids + replies[rid])[: cfg.max_seq_len], len(ids)) for rid, ids in prompts
+    seqs = [Seq(rid, (ids + replies[rid])[: cfg.max_seq_len], len(ids)) for rid, ids in prompts
             if rid in replies]
+    if cfg.gen_all_replies and cfg.regenerate and data_dir is not None:
+        seqs += other_replies(loaded, prompts, cfg, data_dir, held_out)
+    return seqs
+
+
+def other_replies(loaded, prompts: list[tuple[str, list[int]]], cfg: TrainConfig,
+                  data_dir: Path, held_out: frozenset[str]) -> list[Seq]:
+    """Each prompt's cached replies at the gen_temperatures its index does not assign, as
+    sequences `<id>@T<t>`; held-out ids get none (their prompts must stay unseen)."""
+    from dataclasses import replace
+
+    temps = cfg.reply_temperatures()
+    out = []
+    for j, t in enumerate(temps):
+        path, _ = _cache_path(loaded, replace(cfg, gen_temperature=t, gen_temperatures=None),
+                              data_dir)
+        cached = read_cache(path)
+        out += [Seq(f"{rid}@T{t:g}", (ids + cached[rid])[: cfg.max_seq_len], len(ids))
+                for i, (rid, ids) in enumerate(prompts)
+                if i % len(temps) != j and rid in cached and rid not in held_out]
+    if out:
+        print(f"[treedraft] gen_all_replies: {len(out)} more sequences from the replies cached "
+              "at the temperatures their prompts are not assigned", flush=True)
+    return out
 
 
 def dataset_replies(tokenizer, rows, prompts: dict[str, list[int]]) -> dict[str, list[int]]:

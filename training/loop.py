@@ -383,12 +383,11 @@ def prepare_data(cfg: TrainConfig, loaded, d: Dist, cache_only: bool = False
     data_dir = Path(cfg.data_dir) if cfg.data_dir else Path(cfg.out_dir) / "data"
     if d.world > 1 and not d.main:
         barrier()  # wait for rank 0 to fill the reply cache, then read it
-    seqs = build_sequences(loaded, train_rows + eval_rows, cfg, data_dir,
-                           first=frozenset(rid for rid, _ in eval_rows),
-                           generate_missing=d.main and not cache_only)
+    eval_ids = frozenset(rid for rid, _ in eval_rows)
+    seqs = build_sequences(loaded, train_rows + eval_rows, cfg, data_dir, first=eval_ids,
+                           generate_missing=d.main and not cache_only, held_out=eval_ids)
     if d.world > 1 and d.main:
         barrier()
-    eval_ids = {rid for rid, _ in eval_rows}
     train_seqs = [s for s in seqs if s.id not in eval_ids]
     if not train_seqs:
         hint = (f": gen_cache_only=true and the reply cache in {data_dir} answers none of these "
