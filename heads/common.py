@@ -286,6 +286,23 @@ class DraftHead(nn.Module):
             )
         return w
 
+    @property
+    def max_draft_depth(self) -> int | None:
+        """How deep below the root this head can draft (None: as deep as a tree goes)."""
+        return None
+
+    def tree_rates(self) -> tuple[tuple[float, ...], ...] | list | None:
+        """The acceptance table static trees are shaped from: the measured
+        `config.acceptance_rates`, else (a checkpoint saved before they were measured) None for
+        the default table, cut to `max_draft_depth` where the head has one (a static tree from
+        the full default table would reach past a Medusa head's last head)."""
+        from .tree import DEFAULT_ACCEPTANCE_RATES
+
+        rates = getattr(self.config, "acceptance_rates", None)
+        if rates is None and self.max_draft_depth is not None:
+            return DEFAULT_ACCEPTANCE_RATES[: self.max_draft_depth]
+        return rates
+
     def check_target(self, target: TargetSignature) -> None:
         """Raise ValueError if this head cannot run on `target`."""
         raise_mismatches(self.target_problems(self.config, target))

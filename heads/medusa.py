@@ -75,6 +75,11 @@ class MedusaHeads(DraftHead):
                 nn.Linear(h, config.vocab_size, bias=False) for _ in range(config.num_heads)
             )
 
+    @property
+    def max_draft_depth(self) -> int:
+        """One head per depth below the root."""
+        return self.config.num_heads
+
     def forward(self, hidden: Tensor) -> Tensor:
         """hidden [..., H] (target final hidden at t) -> logits [..., K, V] (tokens t+2..t+1+K)."""
         h = torch.stack([head(hidden) for head in self.heads], dim=-2)  # [..., K, H]

@@ -247,9 +247,7 @@ def auto_chain_depth(n: int, budget: int, spec, head) -> int:
     head nodes: n, within the step's scheduled `budget`, the depth of the head's tree (its
     `dynamic` depth, else MAX_TREE_DEPTH) and what the head can draft (a Medusa head has one
     head per depth: `num_heads`)."""
-    cap = spec.head_spec.depth or MAX_TREE_DEPTH
-    if getattr(head, "head_type", None) == "medusa":
-        cap = min(cap, head.config.num_heads)
+    cap = min(spec.head_spec.depth or MAX_TREE_DEPTH, head.max_draft_depth or MAX_TREE_DEPTH)
     return max(0, min(n, budget, cap))
 
 
@@ -303,7 +301,7 @@ class TreeDraftProposer:
 
         use_vllm_gemm(head)  # CPU: vLLM's GEMM kernels (oneDNN/AMX) for the head's linears
         self.head = head
-        self.rates = getattr(head.config, "acceptance_rates", None)
+        self.rates = head.tree_rates()
         if self.auto is not None:
             self.auto.set_rates(self.rates)
 

@@ -54,7 +54,7 @@ def evaluate_vllm(cfg: EvalConfig, *, batch_size: int = DEFAULT_BATCH, dtype: st
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
 
-    from treedraft.heads.common import read_config
+    from treedraft.heads.common import load_head, read_config
     from treedraft.heads.speculators import default_tree, is_speculators
     from treedraft.heads.tree import parse_tree_spec
     from treedraft.training.data import first_turn, load_prompts
@@ -74,7 +74,10 @@ def evaluate_vllm(cfg: EvalConfig, *, batch_size: int = DEFAULT_BATCH, dtype: st
     tree = cfg.tree or head_cfg.get("default_tree")
     spec = parse_tree_spec(tree) if tree else None  # bad specs fail before the engine starts
     check_tree_head(spec, tree, head_dir is not None)
-    gamma = tree_depth(spec, head_cfg.get("acceptance_rates")) if spec else 0
+    rates = head_cfg.get("acceptance_rates")
+    if rates is None and head_dir:  # unmeasured (a checkpoint): the table the plugin shapes by
+        rates = load_head(head_dir).tree_rates()
+    gamma = tree_depth(spec, rates) if spec else 0
     ds = load_prompts(cfg.prompts, limit=cfg.limit, stride=cfg.stride)
     target_dir = str(resolve_model(cfg.target))
     tok = AutoTokenizer.from_pretrained(target_dir)

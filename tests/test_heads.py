@@ -419,6 +419,27 @@ def test_medusa_shapes_and_depth_limit():
         sess.expand(tree, [4])
 
 
+def test_unmeasured_medusa_static_tree_stays_within_its_heads():
+    """A Medusa checkpoint saved before its acceptance was measured has no acceptance_rates: a
+    static tree shaped from the default table (MAX_TREE_DEPTH deep) reached past its last head
+    and the engine died at the first draft (session 27, `static:64` on a step-550 checkpoint).
+    tree_rates() cuts the default table to the heads it has; measured rates are kept."""
+    from treedraft.heads.tree import DEFAULT_ACCEPTANCE_RATES, draft_tree, parse_tree_spec
+
+    heads, eagle = make_medusa(), make_eagle()
+    assert heads.config.acceptance_rates is None and heads.max_draft_depth == 3
+    assert heads.tree_rates() == DEFAULT_ACCEPTANCE_RATES[:3] and eagle.tree_rates() is None
+    sess = heads.draft_session()
+    sess.commit(torch.randn(5, H), torch.randint(0, V, (5,)))
+    spec = parse_tree_spec("static:64")
+    with pytest.raises(ValueError, match="medusa head has 3 heads"):
+        draft_tree(7, sess, spec, None)  # the full default table: too deep
+    tree = draft_tree(7, sess, spec, heads.tree_rates())
+    assert len(tree.tokens) == 65 and int(tree.buffers().depths.max()) == 3
+    heads.config.acceptance_rates = [[0.5, 0.2], [0.4, 0.1]]
+    assert heads.tree_rates() == [[0.5, 0.2], [0.4, 0.1]]
+
+
 def test_unbound_target_weights():
     cfg = EagleConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2,
                       intermediate_size=64, target=sig())

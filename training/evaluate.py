@@ -152,7 +152,7 @@ def run_eval(
     spec_str = tree or (head.config.default_tree if head is not None else None)
     spec = parse_tree_spec(spec_str) if spec_str else None
     check_tree_head(spec, spec_str, head is not None)
-    rates = getattr(head.config, "acceptance_rates", None) if head is not None else None
+    rates = head.tree_rates() if head is not None else None
     gamma = tree_depth(spec, rates) if spec else 0
     eos = {loaded.tokenizer.eos_token_id}
     target = HFTarget(loaded.model, head.config.target_layer_ids if head is not None else None)
