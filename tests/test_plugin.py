@@ -609,9 +609,14 @@ def test_auto_explores_up_from_nothing_with_a_few_requests():
     for batch, few in ((32, 1), (4, 1), (1, None)):
         auto = AutoBudget(parse_tree_spec("dynamic:10,3,3"))
         auto.set_rates(None)  # the default acceptance table: budgets 0, 1, 2, ...
-        got = [auto.choose(batch) for _ in range(8)]
+        got, exploring = [], []
+        for _ in range(8):
+            got.append(auto.choose(batch))
+            exploring.append(auto.exploring)
         assert got.count((0, None)) >= 6 and got.count((1, few)) >= 1, got
         assert set(got) == {(0, None), (1, few)}, got
+        # an exploration grafts no lookup (propose_step): `exploring` marks exactly those steps
+        assert exploring == [g == (1, few) for g in got], (got, exploring)
 
 
 def test_auto_observes_greedy_and_sampled_requests_apart():
