@@ -120,6 +120,15 @@ def install(root: Path, site: Path) -> None:
     print(f"[bundle] installed {len(todo)} wheels and treedraft into {site}")
 
 
+def clear_outputs(run: Path) -> None:
+    """Remove what an earlier run in this stage folder left in `run` (its head, checkpoints and
+    log), so that a run that saves nothing sends nothing back rather than the old head; the
+    reply caches (run/data) stay: they are the bundle's, or replies this machine wrote."""
+    for name in ("final", "checkpoints"):
+        shutil.rmtree(run / name, ignore_errors=True)
+    (run / "train_log.jsonl").unlink(missing_ok=True)
+
+
 def train(root: Path, stage: Path, extra: list[str], limit_s: float | None = None,
           config: str = "config.json") -> tuple[Path, int]:
     """Run `treedraft train` on one of the bundle's configs; returns (its out_dir, exit status;
@@ -127,6 +136,7 @@ def train(root: Path, stage: Path, extra: list[str], limit_s: float | None = Non
     cfg = json.loads((root / config).read_text())
     fill = lambda v: v.replace("{stage}", str(root)) if isinstance(v, str) else v  # noqa: E731
     cfg = {k: fill(v) for k, v in cfg.items()}
+    clear_outputs(Path(cfg["out_dir"]))
     cfg_path = stage / config
     cfg_path.write_text(json.dumps(cfg, indent=1))
     # Batches of varying length fragment the CUDA caching allocator; expandable segments avoid

@@ -104,6 +104,12 @@ def test_bundle_trains_on_a_bare_machine_dry_run(tmp_path, monkeypatch):
         tar.extractall(tmp_path / "back-failed")
     assert "final/trainer_state.pt" not in names and "train_log.jsonl" in names
     assert load_head(tmp_path / "back-failed" / "final").config.target.hidden_size == 576
+    # a later run in this stage folder starts clean (train() clears its out_dir first): one that
+    # saves nothing sends nothing back, never the earlier run's head; the replies stay
+    kept = sorted((run / "data").glob("gen-*.jsonl"))
+    stage_mod.clear_outputs(run)
+    assert stage_mod.newest_head(run) is None and not (run / "train_log.jsonl").exists()
+    assert kept and sorted((run / "data").glob("gen-*.jsonl")) == kept
 
     # the replies sent back travel in the next bundle: that run answers no prompt again, and a
     # second head (--then: Medusa) trains after it on the same prompts and replies
