@@ -75,7 +75,9 @@ def evaluate_vllm(cfg: EvalConfig, *, batch_size: int = DEFAULT_BATCH, dtype: st
     spec = parse_tree_spec(tree) if tree else None  # bad specs fail before the engine starts
     check_tree_head(spec, tree, head_dir is not None)
     rates = head_cfg.get("acceptance_rates")
-    if rates is None and head_dir:  # unmeasured (a checkpoint): the table the plugin shapes by
+    # unmeasured (a checkpoint of ours): the table the plugin shapes by (a speculators head,
+    # EAGLE-3 with no depth limit, has none either: not loaded for nothing)
+    if rates is None and "head_type" in head_cfg:
         rates = load_head(head_dir).tree_rates()
     gamma = tree_depth(spec, rates) if spec else 0
     ds = load_prompts(cfg.prompts, limit=cfg.limit, stride=cfg.stride)

@@ -76,32 +76,43 @@ def build_sequences(loaded, rows: list[tuple[str, list[dict]]], cfg: TrainConfig
     the cached replies at the other temperatures follow, as ids `<id>@T<t>` (none for the ids
     in `held_out`)."""
     prompts = encode_prompts(loaded.tokenizer, rows, cfg)
+    caches = reply_caches(loaded, cfg, data_dir) if cfg.regenerate else []
     if cfg.regenerate:
-        replies = regenerate(loaded, prompts, cfg, data_dir, first, generate_missing)
+        replies = regenerate(loaded, prompts, cfg, caches, first, generate_missing)
     else:
         replies = dataset_replies(loaded.tokenizer, rows, dict(prompts))
     seqs = [Seq(rid, (ids + replies[rid])[: cfg.max_seq_len], len(ids)) for rid, ids in prompts
             if rid in replies]
-    if cfg.gen_all_replies and cfg.regenerate and data_dir is not None:
-        seqs += other_replies(loaded, prompts, cfg, data_dir, held_out)
+    if cfg.gen_all_replies:
+        seqs += other_replies(prompts, cfg, caches, held_out)
     return seqs
 
 
-def other_replies(loaded, prompts: list[tuple[str, list[int]]], cfg: TrainConfig,
-                  data_dir: Path, held_out: frozenset[str]) -> list[Seq]:
-    """Each prompt's cached replies at the gen_temperatures its index does not assign, as
-    sequences `<id>@T<t>`; held-out ids get none (their prompts must stay unseen)."""
+def reply_caches(loaded, cfg: TrainConfig, data_dir: Path | None
+                 ) -> list[tuple[float, Path | None, dict | None, dict[str, list[int]]]]:
+    """(temperature, cache path, its meta, the replies it holds) per reply temperature: each
+    has its own cache file, the one a single-temperature run with the same settings uses (no
+    file without data_dir)."""
     from dataclasses import replace
 
-    temps = cfg.reply_temperatures()
     out = []
-    for j, t in enumerate(temps):
-        path, _ = _cache_path(loaded, replace(cfg, gen_temperature=t, gen_temperatures=None),
-                              data_dir)
-        cached = read_cache(path)
+    for t in cfg.reply_temperatures():
+        path, meta = (None, None) if data_dir is None else _cache_path(
+            loaded, replace(cfg, gen_temperature=t, gen_temperatures=None), data_dir)
+        out.append((t, path, meta, read_cache(path) if path else {}))
+    return out
+
+
+def other_replies(prompts: list[tuple[str, list[int]]], cfg: TrainConfig, caches: list,
+                  held_out: frozenset[str]) -> list[Seq]:
+    """Each prompt's cached replies (`reply_caches`, read before generation: what it writes is
+    at the assigned temperatures) at the gen_temperatures its index does not assign, as
+    sequences `<id>@T<t>`; held-out ids get none (their prompts must stay unseen)."""
+    out = []
+    for j, (t, _, _, cached) in enumerate(caches):
         out += [Seq(f"{rid}@T{t:g}", (ids + cached[rid])[: cfg.max_seq_len], len(ids))
                 for i, (rid, ids) in enumerate(prompts)
-                if i % len(temps) != j and rid in cached and rid not in held_out]
+                if i % len(caches) != j and rid in cached and rid not in held_out]
     if out:
         print(f"[treedraft] gen_all_replies: {len(out)} more sequences from the replies cached "
               "at the temperatures their prompts are not assigned", flush=True)
@@ -187,25 +198,18 @@ def generation_order(todo: list[tuple[str, list[int]]], window: int | None,
 
 
 def regenerate(loaded, prompts: list[tuple[str, list[int]]], cfg: TrainConfig,
-               data_dir: Path | None, first: frozenset[str] = frozenset(),
+               caches: list, first: frozenset[str] = frozenset(),
                generate_missing: bool = True) -> dict[str, list[int]]:
-    """Replies by the target to each prompt, from the cache where present. With
-    `gen_temperatures` prompt i is answered at temperatures[i % n]; each temperature has its own
-    cache file (the one a single-temperature run with the same settings uses), and batches of
-    the temperatures take turns. With `gen_time_limit_minutes` no new batch starts after that
+    """Replies by the target to each prompt, from the caches (`reply_caches`) where present.
+    With `gen_temperatures` prompt i is answered at temperatures[i % n], and batches of the
+    temperatures take turns. With `gen_time_limit_minutes` no new batch starts after that
     long: the prompts not answered by then get no reply (ids in `first` are answered first, in
     every temperature). generate_missing=False reads the caches only (a DDP rank > 0 after rank
     0 generated; the resume of a run whose generation was cut, which must see the same data)."""
-    from dataclasses import replace
-
-    temps = cfg.reply_temperatures()
     done: dict[str, list[int]] = {}
     groups = []  # (temperature, cache path, meta, prompts to generate)
-    for j, t in enumerate(temps):
-        part = prompts[j::len(temps)]
-        path, meta = (None, None) if data_dir is None else _cache_path(
-            loaded, replace(cfg, gen_temperature=t, gen_temperatures=None), data_dir)
-        cached = read_cache(path) if path else {}
+    for j, (t, path, meta, cached) in enumerate(caches):
+        part = prompts[j::len(caches)]
         done.update({rid: cached[rid] for rid, _ in part if rid in cached})
         todo = [(rid, ids) for rid, ids in part if rid not in cached]
         # longest first, so each batch holds similar lengths (less left padding), within
@@ -215,7 +219,7 @@ def regenerate(loaded, prompts: list[tuple[str, list[int]]], cfg: TrainConfig,
         if todo:
             groups.append((t, path, meta, todo))
     if groups and generate_missing:
-        _generate(loaded, cfg, groups, done, len(temps))
+        _generate(loaded, cfg, groups, done, len(caches))
     if missing := sum(rid not in done for rid, _ in prompts):
         why = (f"gen_time_limit_minutes={cfg.gen_time_limit_minutes}" if generate_missing
                else "replies read from the cache only")
