@@ -228,3 +228,74 @@ def test_seeded_runs_reproduce():
 def test_empty_prompt_is_refused():
     with pytest.raises(ValueError, match="empty prompt"):
         plain_generate(HFTarget(_tiny_llama(0)), [], 4)
+
+
+def test_expected_tau_is_the_mean_acceptance_of_exact_verification():
+    """`expected_tau` (1 + sum of reach) against verify_tree's sampled acceptance on the same
+    target rows: a branching tree with a repeated sibling token, T=1 and top-k."""
+    from treedraft.heads.ceiling import expected_tau, reach_probs
+    from treedraft.heads.sampling import process_logits, verify_tree
+    from treedraft.heads.tree import tree_buffers
+
+    target = HFTarget(_tiny_llama(0))
+    target.forward(torch.tensor([1, 5]), torch.arange(2), torch.ones(2, 2).tril().bool())
+    def top(tokens, parents, node, k):  # the target's k likeliest tokens after `node`
+        buf = tree_buffers(parents)
+        logits, _ = target.forward(torch.tensor(tokens), 2 + buf.depths, buf.ancestor_mask)
+        target.keep(2, torch.zeros(0, dtype=torch.long))
+        return logits[node].topk(k).indices.tolist()
+
+    a, b = top([2], [-1], 0, 2)
+    c, d = top([2, a], [-1, 0], 1, 2)
+    e = top([2, a, c], [-1, 0, 1], 2, 1)[0]
+    tokens = torch.tensor([2, a, b, a, c, d, e])  # node 3 repeats node 1's token: never taken
+    parents = torch.tensor([-1, 0, 0, 0, 1, 1, 4])
+    buf = tree_buffers(parents)
+    logits, _ = target.forward(tokens, 2 + buf.depths, buf.ancestor_mask)
+    for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=3)):
+        probs = process_logits(logits, params)
+        assert reach_probs(tokens, parents, probs)[3] == 0.0
+        gen, n = torch.Generator().manual_seed(0), 4000
+        got = sum(len(verify_tree(tokens, parents, logits, params, gen)[0]) + 1
+                  for _ in range(n)) / n
+        want = expected_tau(tokens, parents, probs)
+        assert 1.3 < want and abs(got - want) < 0.05, (got, want)
+    greedy = process_logits(logits, SamplingParams())
+    assert expected_tau(tokens, parents, greedy) == 1 + len(
+        verify_tree(tokens, parents, logits, SamplingParams())[0])
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
+                                    SamplingParams(temperature=0.8, top_k=3)])
+def test_oracle_tree_is_the_best_tree_of_n_nodes(params):
+    """The oracle's N paths are the N most likely to be accepted, found by brute force over
+    every path of depth <= N (vocab 8), and it leaves the target's cache as it was."""
+    import itertools
+
+    from treedraft.heads.ceiling import oracle_tree
+    from treedraft.heads.sampling import process_logits
+
+    vocab, prompt, root, n = 8, [1, 5, 2], 4, 4
+    model = _tiny_llama(0, vocab)
+    target = HFTarget(model)
+    target.forward(torch.tensor(prompt), torch.arange(3), torch.ones(3, 3).tril().bool())
+    paths, reach = oracle_tree(target, root, n, params)
+    assert target.length == 3
+    with torch.no_grad():
+        every = [p for d in range(n) for p in itertools.product(range(vocab), repeat=d)]
+        probs = {}
+        for d in range(n):
+            seqs = [p for p in every if len(p) == d]
+            out = process_logits(model(torch.tensor([prompt + [root, *p] for p in seqs])).logits[:, -1],
+                                 params).double()
+            probs.update(zip(seqs, out, strict=True))
+    brute = {}
+    for p in every:
+        for t in range(vocab):
+            brute[p + (t,)] = brute.get(p, 1.0) * float(probs[p][t]) if p else float(probs[()][t])
+    best = sorted(brute.values(), reverse=True)[:n]
+    torch.testing.assert_close(torch.tensor(reach, dtype=torch.float64),
+                               torch.tensor(best, dtype=torch.float64), rtol=1e-5, atol=1e-7)
+    for p, r in zip(paths, reach, strict=True):
+        assert abs(brute[p] - r) < 1e-5 and (len(p) == 1 or p[:-1] in paths)
+    assert oracle_tree(target, root, 3, SamplingParams())[1] == [1.0, 1.0, 1.0]  # greedy chain

@@ -154,6 +154,24 @@ def test_init_from_continues_from_a_heads_weights(tiny, tmp_path):
                           + ["--head.draft_vocab_size=128"]))
 
 
+def test_max_steps_0_measures_init_froms_acceptance_rates_and_trains_nothing(tiny, tmp_path):
+    first = tmp_path / "first"
+    train(load_config(None, args(tiny, first, max_steps=2, head_type="medusa")))
+    src = load_head(first / "final")
+    src.config.acceptance_rates = [[0.5] * 8] * src.config.num_heads  # stale: another head's
+    src.save_pretrained(tmp_path / "stale")
+    out = tmp_path / "measured"
+    train(load_config(None, args(tiny, out, max_steps=0, head_type="medusa",
+                                 init_from=tmp_path / "stale")))
+    got = load_head(out / "final")
+    for k, v in src.state_dict().items():  # not one optimizer step
+        torch.testing.assert_close(got.state_dict()[k], v, atol=0, rtol=0)
+    assert got.config.acceptance_rates == load_head(first / "final").config.acceptance_rates
+    assert not any("loss" in r for r in map(json.loads, (out / "train_log.jsonl").open()))
+    with pytest.raises(ValueError, match=r"max_steps=0 trains nothing.*set init_from=HEAD"):
+        load_config(None, args(tiny, tmp_path / "x", max_steps=0))
+
+
 def test_lr_schedules_end_their_decay_with_the_run():
     from treedraft.training.loop import lr_lambda
 
@@ -415,6 +433,28 @@ def test_bad_config_errors(over, match):
         load_config(None, over)
 
 
+def record_engine(monkeypatch, reply=None, delay: float = 0.0) -> list[tuple[int, float]]:
+    """Replace the reply engine by one that records (prompts, temperature) per call and answers
+    each prompt with reply(temperature) (None: the real engine's replies) after `delay` s."""
+    import time
+
+    calls, real = [], generate.transformers_engine
+
+    def engine(loaded, cfg):
+        gen = real(loaded, cfg) if reply is None else None
+
+        def run(prompts, temperature):
+            calls.append((len(prompts), temperature))
+            time.sleep(delay)
+            if gen is not None:
+                return gen(prompts, temperature)
+            return [list(reply(temperature)) for _ in prompts]
+        return run
+
+    monkeypatch.setattr(generate, "transformers_engine", engine)
+    return calls
+
+
 def test_gen_temperatures_mix_round_robin_with_a_cache_per_temperature(tiny, tmp_path,
                                                                         monkeypatch):
     from treedraft.training.data import load_prompts
@@ -424,18 +464,7 @@ def test_gen_temperatures_mix_round_robin_with_a_cache_per_temperature(tiny, tmp
     ds = load_prompts(prompts, purpose="train", limit=6)
     rows = list(zip(ds["id"], ds["messages"], strict=True))
     loaded, data = load_target(target), tmp_path / "data"
-    calls = []
-    real = generate.transformers_engine
-
-    def counting(loaded, cfg):
-        gen = real(loaded, cfg)
-
-        def run(prompts, temperature):
-            calls.append((len(prompts), temperature))
-            return gen(prompts, temperature)
-        return run
-
-    monkeypatch.setattr(generate, "transformers_engine", counting)
+    calls = record_engine(monkeypatch)
     mix = generate.build_sequences(loaded, rows, cfg_of(tiny, tmp_path, gen_temperatures="[0,1]"),
                                    data)
     assert len(mix) == 6 and calls == [(3, 0.0), (3, 1.0)]  # one engine, a call per temperature
@@ -464,24 +493,14 @@ def test_generation_order_first_ids_then_length_sorted_windows():
 
 def test_gen_time_limit_stops_generation_and_answers_held_out_prompts_first(tiny, tmp_path,
                                                                            monkeypatch, capsys):
-    import time
-
     from treedraft.training.data import load_prompts
     from treedraft.training.target import load_target
 
     target, prompts = tiny
     ds = load_prompts(prompts, purpose="train", limit=6)
     rows = list(zip(ds["id"], ds["messages"], strict=True))
-    calls = []
-
-    def slow(loaded, cfg):
-        def run(prompts, temperature):
-            calls.append((len(prompts), temperature))
-            time.sleep(1.0)  # two batches start inside the 1.8 s limit, the third does not
-            return [[7, 8] for _ in prompts]
-        return run
-
-    monkeypatch.setattr(generate, "transformers_engine", slow)
+    # two batches start inside the 1.8 s limit, the third does not
+    calls = record_engine(monkeypatch, lambda t: [7, 8], delay=1.0)
     # T=0 answers prompts 0, 2, 4 and T=1 prompts 1, 3, 5; batches of 2 take turns
     cfg = cfg_of(tiny, tmp_path, gen_temperatures="[0,1]", gen_batch_size=2,
                  gen_time_limit_minutes=0.03)
@@ -509,15 +528,7 @@ def test_gen_all_replies_trains_on_the_other_temperatures_cached_replies(tiny, t
     target, prompts = tiny
     ds = load_prompts(prompts, purpose="train", limit=6)
     rows = list(zip(ds["id"], ds["messages"], strict=True))
-    calls = []
-
-    def engine(loaded, cfg):
-        def run(prompts, temperature):
-            calls.append((len(prompts), temperature))
-            return [[7, 8] if temperature == 0 else [9] for _ in prompts]
-        return run
-
-    monkeypatch.setattr(generate, "transformers_engine", engine)
+    calls = record_engine(monkeypatch, lambda t: [7, 8] if t == 0 else [9])
     loaded, data = load_target(target), tmp_path / "data"
     # an earlier all-greedy run answered all six prompts at T=0
     generate.build_sequences(loaded, rows, cfg_of(tiny, tmp_path, gen_temperature=0), data)
@@ -545,25 +556,17 @@ def test_gen_cache_only_trains_on_the_cached_replies_and_writes_none(tiny, tmp_p
     from treedraft.training.target import load_target
 
     target, prompts = tiny
-    calls = []
-
-    def engine(loaded, cfg):
-        def run(prompts, temperature):
-            calls.append(len(prompts))
-            return [[7, 8, 9] for _ in prompts]
-        return run
-
-    monkeypatch.setattr(generate, "transformers_engine", engine)
+    calls = record_engine(monkeypatch, lambda t: [7, 8, 9])
     data, out = tmp_path / "data", tmp_path / "run"
     kw = dict(data_dir=data, num_prompts=6, eval_prompts=0, max_steps=1)
     ds = load_prompts(prompts, purpose="train", limit=3)  # a cache that answers 3 of the 6
     generate.build_sequences(load_target(target), list(zip(ds["id"], ds["messages"], strict=True)),
                              cfg_of(tiny, out, **kw), data)
-    assert calls == [3]
+    assert [n for n, _ in calls] == [3]
     cache = sorted(data.glob("gen-*.jsonl"))
     before = [p.read_text() for p in cache]
     main(["train", *args(tiny, out, **kw), "--gen_cache_only=true"])
-    assert calls == [3]  # no engine call: the other three prompts are left out
+    assert [n for n, _ in calls] == [3]  # no engine call: the other three prompts are left out
     assert "replies read from the cache only: 3 of 6 prompts" in capsys.readouterr().out
     assert [p.read_text() for p in sorted(data.glob("gen-*.jsonl"))] == before
     assert (out / "final" / "config.json").is_file()

@@ -80,7 +80,8 @@ class TrainConfig:
     warmup_steps: int = 20  # none with init_from: continuing a trained head does not warm up again
     schedule: str = "cosine"  # cosine | wsd (warmup-stable-decay: constant, then linear to 0)
     decay_fraction: float = 0.2  # wsd: the last fraction of the run (steps or time) that decays
-    max_steps: int | None = None  # None -> epochs over the training sequences
+    max_steps: int | None = None  # None -> epochs over the training sequences; 0 with
+    #   init_from: no training, measure that head's acceptance rates and save it with them
     epochs: float = 1.0
     grad_clip: float = 1.0  # max grad norm; 0 = off
     unroll_steps: int = 3  # EAGLE training-time test depth D (1 = plain teacher forcing)
@@ -151,8 +152,13 @@ class TrainConfig:
         if self.eval_max_new_tokens < 0:
             raise ValueError(f"eval_max_new_tokens={self.eval_max_new_tokens} must be >= 0 "
                              "(0 = no run_eval at the end)")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"max_steps={self.max_steps} must be >= 1 (or none: use epochs)")
+        if self.max_steps is not None and self.max_steps < 0:
+            raise ValueError(f"max_steps={self.max_steps} must be >= 1 (or none: use epochs; "
+                             "0 with init_from: measure only)")
+        if self.max_steps == 0 and not self.init_from:
+            raise ValueError("max_steps=0 trains nothing: it measures init_from's acceptance "
+                             "rates on the held-out sequences and saves that head with them; "
+                             "set init_from=HEAD, or max_steps >= 1 to train")
         if self.max_steps is None and self.epochs <= 0:
             raise ValueError(f"epochs={self.epochs} must be > 0 when max_steps is none")
         if not 0 <= self.unroll_curriculum <= 1:

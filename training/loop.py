@@ -249,7 +249,8 @@ def train(cfg: TrainConfig, resume: str | os.PathLike | None = None) -> Path | N
     optimizer = make_optimizer(head, cfg)
     lengths = [len(s.input_ids) for s in train_seqs]
     order = DataOrder(len(train_seqs), cfg, d, lengths=lengths)
-    total = cfg.max_steps or math.ceil(cfg.epochs * order.per_epoch / cfg.grad_accum)
+    total = (cfg.max_steps if cfg.max_steps is not None
+             else math.ceil(cfg.epochs * order.per_epoch / cfg.grad_accum))
     t_run = time.perf_counter()
     clock = None if cfg.time_limit_minutes is None else (
         lambda: (time.perf_counter() - t_run) / (60 * cfg.time_limit_minutes))
@@ -277,7 +278,7 @@ def train(cfg: TrainConfig, resume: str | os.PathLike | None = None) -> Path | N
     bar = tqdm(total=total, initial=step, desc=f"train {cfg.head_type}",
                disable=not (cfg.progress and d.main))
     train_time, run_tokens, started = 0.0, 0, step
-    if cfg.measure_every and cfg.init_from and step == 0 and d.main:
+    if cfg.measure_every and cfg.init_from and step == 0 < total and d.main:
         # the head it continues, on the same held-out sequences: the learning curve's start
         log_heldout(cfg, head, measure_fn, measure_seqs, 0, log, bool(eval_seqs))
     while step < total:
