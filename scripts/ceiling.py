@@ -24,6 +24,17 @@ import time
 import torch
 
 
+class Tempered:
+    """An expander whose draft distribution is q^(1/S), renormalised: trees shaped for a target
+    sampled at T > 0 from a head that is sharper (S > 1) or flatter (S < 1) than it should be."""
+
+    def __init__(self, session, s: float) -> None:
+        self.session, self.s = session, s
+
+    def expand(self, tree, nodes):
+        return torch.log_softmax(self.session.expand(tree, nodes).float() / self.s, dim=-1)
+
+
 def main(argv=None) -> dict:
     from tqdm.auto import tqdm
 
@@ -50,6 +61,8 @@ def main(argv=None) -> dict:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--draft-temperature", type=float, default=1.0,
+                   help="shape the head's tree from q^(1/S), renormalised (1: q itself)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--json", default=None, help="write the report here")
@@ -82,7 +95,9 @@ def main(argv=None) -> dict:
         index = LookupIndex()
         index.extend(prompt + reply[:1])
         for t in range(0, len(reply) - 1, args.every):  # root reply[t]; cache: prompt + reply[:t]
-            tree = draft_hybrid(reply[t], session, spec, index, rates).tree
+            drafter = session if args.draft_temperature == 1 else Tempered(
+                session, args.draft_temperature)
+            tree = draft_hybrid(reply[t], drafter, spec, index, rates).tree
             probs = tree_rows(target, tree.tokens.tolist(), tree.parents.tolist(), params)
             head_taus.append(expected_tau(tree.tokens, tree.parents, probs))
             head_nodes.append(tree.tokens.numel() - 1)
@@ -104,7 +119,7 @@ def main(argv=None) -> dict:
                         oracle=f"{sum(oracle_taus[args.nodes]) / len(head_taus):.3f}")
     mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
     report = {
-        "head": args.head, "tree": spec_str, "mean_tree_size": mean(head_nodes),
+        "head": args.head, "tree": spec_str, "draft_temperature": args.draft_temperature, "mean_tree_size": mean(head_nodes),
         "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
         "positions": len(head_taus), "prompts": len(ds["id"]),
         "head_expected_tau": mean(head_taus),
