@@ -24,6 +24,10 @@ import time
 import torch
 
 
+def mean(xs) -> float:
+    return sum(xs) / len(xs)
+
+
 class Tempered:
     """An expander whose draft distribution is q^(1/S), renormalised: trees shaped for a target
     sampled at T > 0 from a head that is sharper (S > 1) or flatter (S < 1) than it should be."""
@@ -115,11 +119,15 @@ def main(argv=None) -> dict:
             index.extend(nxt)
             if len(nxt) < m:
                 break
-        bar.set_postfix(head=f"{sum(head_taus) / len(head_taus):.3f}",
-                        oracle=f"{sum(oracle_taus[args.nodes]) / len(head_taus):.3f}")
-    mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
+        if head_taus:
+            bar.set_postfix(head=f"{mean(head_taus):.3f}",
+                            oracle=f"{mean(oracle_taus[args.nodes]):.3f}")
+    if not head_taus:
+        raise SystemExit("ceiling: no position measured (every reply was shorter than 2 tokens); "
+                         "raise --max-new-tokens or use other prompts")
     report = {
-        "head": args.head, "tree": spec_str, "draft_temperature": args.draft_temperature, "mean_tree_size": mean(head_nodes),
+        "head": args.head, "tree": spec_str, "draft_temperature": args.draft_temperature,
+        "mean_tree_size": mean(head_nodes),
         "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
         "positions": len(head_taus), "prompts": len(ds["id"]),
         "head_expected_tau": mean(head_taus),

@@ -286,8 +286,8 @@ def test_oracle_tree_is_the_best_tree_of_n_nodes(params):
         probs = {}
         for d in range(n):
             seqs = [p for p in every if len(p) == d]
-            out = process_logits(model(torch.tensor([prompt + [root, *p] for p in seqs])).logits[:, -1],
-                                 params).double()
+            logits = model(torch.tensor([prompt + [root, *p] for p in seqs])).logits[:, -1]
+            out = process_logits(logits, params).double()
             probs.update(zip(seqs, out, strict=True))
     brute = {}
     for p in every:

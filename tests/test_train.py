@@ -172,6 +172,27 @@ def test_max_steps_0_measures_init_froms_acceptance_rates_and_trains_nothing(tin
         load_config(None, args(tiny, tmp_path / "x", max_steps=0))
 
 
+def test_ceiling_script_no_tree_beats_the_oracle_of_its_size(tiny, tmp_path):
+    """scripts/ceiling.py end to end on the tiny target with an untrained head: the head's
+    4-node tree never beats the best 4-node tree, and the ceiling grows with the nodes."""
+    from treedraft.scripts import ceiling
+    from treedraft.training.target import init_head, load_target
+
+    target, prompts = tiny
+    loaded = load_target(target)
+    init_head("eagle", loaded.model, loaded.tokenizer).save_pretrained(tmp_path / "head")
+    for s in ("1", "2"):
+        r = ceiling.main(["--target", str(target), "--head", str(tmp_path / "head"), "--tree",
+                          "dynamic:4,3,2", "--prompts", str(prompts), "--stride", "1", "--limit",
+                          "2", "--max-new-tokens", "6", "--every", "2", "--nodes", "4",
+                          "--draft-temperature", s, "--json", str(tmp_path / "r.json")])
+        oracle = [r["oracle_expected_tau"][n] for n in ("1", "2", "4")]
+        assert r["positions"] >= 4 and r["mean_tree_size"] == 4
+        assert 1 < oracle[0] <= oracle[1] <= oracle[2] <= 5 and oracle[2] > oracle[0]
+        assert 1 <= r["head_expected_tau"] <= oracle[2] + 1e-9
+        assert json.loads((tmp_path / "r.json").read_text()) == r
+
+
 def test_lr_schedules_end_their_decay_with_the_run():
     from treedraft.training.loop import lr_lambda
 
