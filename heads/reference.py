@@ -59,16 +59,18 @@ class DecodeResult:
         return len(self.accepted)
 
 
-def _causal(n: int) -> Tensor:
+def causal(n: int) -> Tensor:
+    """The [n, n] causal mask of n new rows over themselves."""
     return torch.ones(n, n, dtype=torch.bool).tril()
 
 
-def _prefill(target: Target, prompt: list[int]) -> tuple[Tensor, Tensor]:
+def prefill(target: Target, prompt: list[int]) -> tuple[Tensor, Tensor]:
+    """Reset the target and run the prompt: (logits, hidden) of every prompt position."""
     if not prompt:
         raise ValueError("empty prompt: the decoder needs at least one prompt token")
     target.reset()
     n = len(prompt)
-    return target.forward(torch.tensor(prompt), torch.arange(n), _causal(n))
+    return target.forward(torch.tensor(prompt), torch.arange(n), causal(n))
 
 
 def _done(tokens: list[int], max_new_tokens: int, eos: Collection[int]) -> bool:
@@ -93,11 +95,11 @@ def plain_generate(
     generator: torch.Generator | None = None,
 ) -> DecodeResult:
     """One target pass per token: the baseline the speculative decoder must reproduce."""
-    logits, _ = _prefill(target, prompt)
+    logits, _ = prefill(target, prompt)
     out = [sample(logits[-1], params, generator)]
     while not _done(out, max_new_tokens, eos):
         pos = torch.tensor([target.length])
-        logits, _ = target.forward(torch.tensor(out[-1:]), pos, _causal(1))
+        logits, _ = target.forward(torch.tensor(out[-1:]), pos, causal(1))
         out.append(sample(logits[-1], params, generator))
     return DecodeResult(_finish(out, max_new_tokens, eos))
 
@@ -126,7 +128,7 @@ def speculative_generate(
         raise ValueError(f"tree {spec.to_string()!r} " + (
             "needs a draft head" if head is None else "drafts without a head: pass head=None"))
     sampled_chain = spec.chain_nodes is not None and not params.greedy
-    logits, hidden = _prefill(target, prompt)
+    logits, hidden = prefill(target, prompt)
     root = sample(logits[-1], params, generator)  # first generated token = root of the first tree
     session = head.draft_session() if head is not None else None
     if session is not None:  # pairs (f_t, x_{t+1}) for t = 0..n-1; the last ends with the root

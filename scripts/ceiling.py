@@ -44,7 +44,7 @@ def main(argv=None) -> dict:
 
     from treedraft.heads.ceiling import expected_tau, oracle_tree, tree_rows
     from treedraft.heads.lookup import LookupIndex, draft_hybrid
-    from treedraft.heads.reference import plain_generate
+    from treedraft.heads.reference import causal, plain_generate, prefill
     from treedraft.heads.sampling import SamplingParams
     from treedraft.heads.tree import parse_tree_spec
     from treedraft.training.data import first_turn, load_prompts
@@ -90,10 +90,7 @@ def main(argv=None) -> dict:
         prompt = encode_chat(loaded.tokenizer, first_turn(messages))
         reply = plain_generate(target, prompt, args.max_new_tokens, params, eos,
                                torch.Generator().manual_seed(args.seed + i)).tokens
-        n = len(prompt)
-        target.reset()
-        _, hidden = target.forward(torch.tensor(prompt), torch.arange(n),
-                                   torch.ones(n, n, dtype=torch.bool).tril())
+        _, hidden = prefill(target, prompt)
         session = head.draft_session()
         session.commit(hidden, torch.tensor(prompt[1:] + reply[:1]))
         index = LookupIndex()
@@ -112,8 +109,7 @@ def main(argv=None) -> dict:
             step = reply[t: t + args.every]  # advance the target and the head over them
             m = len(step)
             start = target.length
-            _, hidden = target.forward(torch.tensor(step), start + torch.arange(m),
-                                       torch.ones(m, m, dtype=torch.bool).tril())
+            _, hidden = target.forward(torch.tensor(step), start + torch.arange(m), causal(m))
             nxt = reply[t + 1: t + m + 1]
             session.commit(hidden[: len(nxt)], torch.tensor(nxt))
             index.extend(nxt)
