@@ -264,17 +264,29 @@ class StepCostModel:
                 drafted: float = 0.0, requests: float = 0.0, verifying: float = 0.0) -> float:
         """Seconds of a step; `requests`: how many of its requests draft (`drafted` nodes),
         `verifying`: how many have drafts verified (`verified` in all)."""
+        return self.predictor()(decode, prefill, verified, drafted, requests, verifying)
+
+    def predictor(self):
+        """`predict` with the current fit bound once (a policy prices every budget each step:
+        one fit lookup instead of one per budget)."""
         a, b, p, c, d, v = self.coefficients
         r, dn = self.draft_fit()
-        return (a + b * decode + p * prefill + c * verified + d * drafted + v * verifying
-                + (r * requests + dn * drafted if drafted else 0.0))
+
+        def predict(decode, prefill=0.0, verified=0.0, drafted=0.0, requests=0.0, verifying=0.0):
+            return (a + b * decode + p * prefill + c * verified + d * drafted + v * verifying
+                    + (r * requests + dn * drafted if drafted else 0.0))
+
+        return predict
 
 
-def step_rate(model: StepCostModel, batch: int, lengths: dict[int, float], n: int) -> float:
+def step_rate(model: StepCostModel, batch: int, lengths: dict[int, float], n: int,
+              predict=None) -> float:
     """Expected tokens per second of a step where `batch` decoding requests each draft `n`
-    nodes (E(n) tokens per request from `lengths`): each of them verifies a tree of n."""
+    nodes (E(n) tokens per request from `lengths`): each of them verifies a tree of n.
+    `predict`: the model's `predictor()` when the caller prices several budgets."""
     k = batch if n else 0
-    return batch * lengths[n] / max(model.predict(batch, 0, batch * n, batch * n, k, k), 1e-9)
+    seconds = (predict or model.predict)(batch, 0, batch * n, batch * n, k, k)
+    return batch * lengths[n] / max(seconds, 1e-9)
 
 
 def best_budget(model: StepCostModel, batch: int, lengths: dict[int, float],
@@ -287,10 +299,8 @@ def best_budget(model: StepCostModel, batch: int, lengths: dict[int, float],
     `hysteresis` (x100 %): near-equal budgets do not take turns on measurement noise."""
     if model.fit() is None or batch <= 0 or not model.knows_drafting:
         return 0
-
-    def rate(n: int) -> float:
-        return step_rate(model, batch, lengths, n)
-
+    predict = model.predictor()
+    rate = {n: step_rate(model, batch, lengths, n, predict) for n in lengths}.__getitem__
     best = max(sorted(lengths), key=lambda n: (rate(n), -n))
     if current in lengths and (1.0 + hysteresis) * rate(current) >= rate(best):
         best = current
@@ -361,11 +371,13 @@ class Acceptance:
     def __init__(self, decay: float = 0.98, prior: float = 2.0) -> None:
         self.decay, self.observed, self.expected = decay, prior, prior
         self._budgets: dict[int, list[float]] = {}  # budget -> [observed, expected] decayed
+        self.version = 0  # observations added (what depends on them may be cached by it)
 
     def add(self, expected_extra: float, observed_extra: float, budget: int | None = None
             ) -> None:
         if expected_extra <= 0:
             return
+        self.version += 1
         self.observed = self.decay * self.observed + observed_extra
         self.expected = self.decay * self.expected + expected_extra
         if budget is not None:
@@ -433,6 +445,7 @@ class BudgetPolicy:
         self._choice = 0
         self._bar = None  # (seconds per verified row, tokens per second) of the planned step
         self._grafting: set[int] = set()  # match lengths grafted now
+        self._lengths = None  # (key, lengths()) of the last call
 
     @property
     def choice(self) -> int:
@@ -458,6 +471,22 @@ class BudgetPolicy:
         self._grafting.discard(key)
         return False
 
+    def may_graft(self, matches, sampled: bool = False, head: int = 0) -> bool:
+        """Whether `graft` could say yes this step, for a request of class `sampled` drafting
+        `head` head nodes, at any match length in `matches`. False lets the engine skip finding
+        each request's match length in a step where no lookup can pay; the match lengths are
+        then dropped from the grafted set, as `graft` would have dropped them."""
+        if self.lookup is None or self._bar is None:
+            return False
+        c, v, rate = self._bar
+        low = 1.0 - self.LOOKUP_HYSTERESIS  # the lower of graft's two bars
+        for match in matches:
+            g, nodes = self.lookup[sampled].value(match)
+            if g > low * (nodes * c + (0.0 if head else v)) * rate:
+                return True
+        self._grafting.difference_update((bool(sampled), m) for m in matches)
+        return False
+
     def kappa(self, sampled: float | None = None) -> float:
         """The head's acceptance against its table for a step whose share of sampled requests is
         `sampled` (default: the step planned last)."""
@@ -468,20 +497,24 @@ class BudgetPolicy:
         """E(n) per request of a step whose share of sampled requests is `sampled` (default:
         the step planned last), each budget by its own measured factor (`Acceptance.at`)."""
         s = self._sampled if sampled is None else sampled
-        greedy, samp = (a.at(self.table) for a in self.acceptance)
-        return {n: 1.0 + ((1.0 - s) * greedy[n] + s * samp[n]) * (e - 1.0) if n else e
-                for n, e in self.table.items()}
+        key = (s, *(a.version for a in self.acceptance))  # unchanged between observations
+        if self._lengths is None or self._lengths[0] != key:
+            greedy, samp = (a.at(self.table) for a in self.acceptance)
+            self._lengths = key, {n: 1.0 + ((1.0 - s) * greedy[n] + s * samp[n]) * (e - 1.0)
+                                  if n else e for n, e in self.table.items()}
+        return dict(self._lengths[1])
 
-    def best(self, batch: int) -> int:
-        return best_budget(self.model, batch, self.lengths(), self.MARGIN, self._choice,
-                           self.HYSTERESIS)
+    def best(self, batch: int, lengths: dict[int, float] | None = None) -> int:
+        return best_budget(self.model, batch, lengths or self.lengths(), self.MARGIN,
+                           self._choice, self.HYSTERESIS)
 
     def choose(self, batch: int, sampled: int = 0) -> tuple[int, bool]:
         """(budget, explored) for a step with `batch` drafting requests, `sampled` of them
         sampling (T > 0); then `graft` says, per request, whether its lookup nodes are
         grafted."""
         self._sampled = min(max(sampled, 0), batch) / batch if batch > 0 else 0.0
-        n = self.best(batch)
+        lengths = self.lengths()
+        n = self.best(batch, lengths)
         if n != self._choice:  # a new answer: check it again soon
             self._choice, self.interval = n, self.EXPLORE_MIN
         self._since += 1
@@ -491,7 +524,7 @@ class BudgetPolicy:
                 value.step()
             coef = self.model.fit()
             if coef is not None and self.model.knows_verifying:
-                self._bar = (coef[3], coef[5], step_rate(self.model, batch, self.lengths(), n))
+                self._bar = (coef[3], coef[5], step_rate(self.model, batch, lengths, n))
         up = [b for b in self.table if b > n]
         down = [b for b in self.table if b < n]
         if self._since < self.interval or not (up or down):

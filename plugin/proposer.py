@@ -52,6 +52,8 @@ from vllm.logger import init_logger
 
 from treedraft.heads.common import PendingPairs, commit_sessions
 from treedraft.heads.lookup import (
+    DEFAULT_MAX_N,
+    DEFAULT_MIN_N,
     HEAD,
     LOOKUP,
     SOURCES,
@@ -72,6 +74,7 @@ logger = init_logger("vllm.treedraft")
 # estimate than the few steps it explores, at a bounded cost (32 checks of each of 32 requests
 # were ~100 ms per exploration at batch 32)
 TEACHER_CHECKS = 32
+LOOKUP_MATCHES = range(DEFAULT_MIN_N, DEFAULT_MAX_N + 1)  # a LookupIndex's match lengths
 
 
 def target_weights(model, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,6 +285,7 @@ class TreeDraftProposer:
         self.trees: dict[str, DraftTree] = {}  # drafted this step, verified next step (tree mode)
         self.chain_q: dict[str, torch.Tensor] = {}  # q [K, V] of the sampled chains in `trees`
         self.lookups: dict[str, LookupIndex] = {}  # per request, its token history indexed
+        self._info: dict[str, tuple[bool, object]] = {}  # per request, `_request_info`
         self.sources: dict[str, torch.Tensor] = {}  # per request, HEAD/LOOKUP bits of its tree
         self.source_stats = None  # accepted tokens by source -> the frontend (tree mode)
         if self.tree_mode and _tp_rank0():
@@ -387,13 +391,15 @@ class TreeDraftProposer:
         live = set(runner.requests)
         if accepted and self.source_stats is not None:
             self._count_sources(accepted)
-        for gone in [r for r in {*self.sessions, *self.lookups, *self.trees} if r not in live]:
+        held = {*self.sessions, *self.lookups, *self.trees, *self._info}
+        for gone in [r for r in held if r not in live]:
             self.sessions.pop(gone, None)  # finished
             self.lookups.pop(gone, None)
             self.trees.pop(gone, None)
             self.chain_q.pop(gone, None)
             self.sources.pop(gone, None)
             self.pending.pop(gone, None)
+            self._info.pop(gone, None)
         if self.source_stats is not None:  # draft sessions held now (leak check: /metrics)
             self.source_stats.set_live(len({*self.sessions, *self.lookups, *self.trees}))
         budget = getattr(scheduler_output, "num_spec_tokens_to_schedule", None)
@@ -426,7 +432,7 @@ class TreeDraftProposer:
         # no draft: partial prefill chunk, params trees cannot honour, or no budget (vLLM's
         # schedule, or auto's choice)
         eligible = [(i, req_id, sampled, session) for i, req_id, sampled, session in work
-                    if sampled and not (self.tree_mode and request_unsupported(runner, req_id))]
+                    if sampled and not (self.tree_mode and self._request_info(runner, req_id)[0])]
         spec = None  # the tree of this step (auto), else spec_for(budget) below
         if self.auto is not None:
             self.auto.observe({req_id: len(sampled) for _, req_id, sampled, _ in work},
@@ -443,7 +449,13 @@ class TreeDraftProposer:
                 eligible = sorted(eligible, key=lambda e: len(self.pending[e[1]]))[:few]
             if self.spec.lookup and not self.auto.exploring:  # per request: graft its lookup
                 # proposal where that pays (an exploration measures the head alone)
+                # (a class of requests for which no match length can pay this step skips
+                # finding its matches: each index catches up when next read)
+                may = {cls: self.auto.policy.may_graft(LOOKUP_MATCHES, cls, n)
+                       for cls in {req_id in sampling for _, req_id, *_ in eligible}}
                 for i, req_id, _, _ in eligible:
+                    if not may[req_id in sampling]:
+                        continue
                     match = self._lookup_index(ib, i, req_id).match_length()
                     if self.auto.policy.graft(match, req_id in sampling, n):
                         grafts[req_id] = match
@@ -501,7 +513,7 @@ class TreeDraftProposer:
         # batch 1, T=1, session 26: chain=3 1.28x no-spec where auto's trees gave 1.04x)
         chain_depth = min(spec.chain_nodes or 0, budget)
         q_depth = chain_depth or (auto_chain_depth(n, budget, self.spec, self.head)
-                                  if self.auto is not None and spec.has_head else 0)
+                                  if n and self.auto is not None and spec.has_head else 0)
         jobs = []  # (i, req_id, root, session, lookup index)
         chains = []  # (i, (root, session, params, generator)) of sampled chains
         for i, req_id, sampled, session in eligible:
@@ -596,12 +608,21 @@ class TreeDraftProposer:
             self.pending.setdefault(req_id, PendingPairs()).add(
                 c, f.clone() if copy else f, t.clone() if copy else t)
 
+    def _request_info(self, runner, req_id: str) -> tuple[bool, object]:
+        """(trees cannot honour its parameters, its heads SamplingParams when it samples (T > 0)
+        else None), once per request: a request's sampling parameters never change."""
+        info = self._info.get(req_id)
+        if info is None:
+            from .sampler import heads_params
+
+            params = heads_params(runner.requests[req_id].sampling_params)
+            info = self._info[req_id] = (bool(request_unsupported(runner, req_id)),
+                                         None if params.greedy else params)
+        return info
+
     def _sampled_params(self, runner, req_id: str):
         """heads SamplingParams of a request that samples (T > 0), else None (greedy)."""
-        from .sampler import heads_params
-
-        params = heads_params(runner.requests[req_id].sampling_params)
-        return None if params.greedy else params
+        return self._request_info(runner, req_id)[1]
 
     @staticmethod
     def _draft_probs(runner, drafts: list[list[int]], probs: dict) -> torch.Tensor:

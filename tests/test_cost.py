@@ -350,6 +350,35 @@ def test_lookup_is_grafted_per_request_where_it_pays():
     assert not BudgetPolicy(lengths).graft(4)  # lookup not in the spec
 
 
+def test_may_graft_says_whether_any_match_length_can_pay_and_agrees_with_graft():
+    """`may_graft` (the engine skips finding match lengths when it is False) is True exactly
+    when `graft` would say yes at some listed match length, and a False leaves no match length
+    in the grafted set (as the `graft` calls it replaces would have)."""
+    lengths = expected_lengths(RATES, 16, chain=False)
+    policy = BudgetPolicy(lengths, lookup=True)
+    policy.choose(1)
+    assert not policy.may_graft(range(1, 5))  # nothing measured yet: no bar
+    policy.model = fitted(0.040, 0.001, 0.003, 0.004)
+    policy.choose(1)
+    assert policy.may_graft(range(1, 5)) and policy.graft(4)  # the optimistic prior
+    for _ in range(200):  # every match length earns nothing
+        for k in range(1, 5):
+            policy.observe_lookup(k, 3, 0)
+    policy.choose(1)
+    assert (4 in {k for _, k in policy._grafting})  # grafted before: its lower bar still holds it
+    assert not policy.may_graft(range(1, 5))
+    assert not policy._grafting  # dropped, as graft(k) for each k would have
+    assert not any(policy.graft(k) for k in range(1, 5))
+    for _ in range(30):  # match length 3 pays again; 1, 2, 4 do not
+        policy.observe_lookup(3, 3, 3)
+    policy.choose(1)
+    assert policy.may_graft(range(1, 5)) and policy.graft(3)
+    assert not policy.may_graft([1, 2, 4])
+    # the sampled class keeps its own estimates: untried, its prior still grafts
+    assert policy.may_graft(range(1, 5), sampled=True) and policy.graft(1, sampled=True)
+    assert not BudgetPolicy(lengths).may_graft(range(1, 5))  # lookup not in the spec
+
+
 def test_greedy_and_sampled_requests_keep_their_own_estimates():
     """What the head and lookup earn is estimated per temperature class: a greedy phase that
     accepted well (and grafted lookup that paid) does not make the sampled requests that follow
