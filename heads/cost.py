@@ -460,9 +460,7 @@ class BudgetPolicy:
         tree to verify, and pays what a verifying request costs too)."""
         if self.lookup is None or match <= 0 or self._bar is None:
             return False
-        c, v, rate = self._bar
-        g, nodes = self.lookup[sampled].value(match)
-        bar = (nodes * c + (0.0 if head else v)) * rate
+        g, bar = self._graft_value(match, sampled, head)
         key = (bool(sampled), match)
         if g > (1.0 - self.LOOKUP_HYSTERESIS if key in self._grafting else
                 1.0 + self.MARGIN) * bar:
@@ -478,14 +476,20 @@ class BudgetPolicy:
         then dropped from the grafted set, as `graft` would have dropped them."""
         if self.lookup is None or self._bar is None:
             return False
-        c, v, rate = self._bar
         low = 1.0 - self.LOOKUP_HYSTERESIS  # the lower of graft's two bars
         for match in matches:
-            g, nodes = self.lookup[sampled].value(match)
-            if g > low * (nodes * c + (0.0 if head else v)) * rate:
+            g, bar = self._graft_value(match, sampled, head)
+            if g > low * bar:
                 return True
         self._grafting.difference_update((bool(sampled), m) for m in matches)
         return False
+
+    def _graft_value(self, match: int, sampled: bool, head: int) -> tuple[float, float]:
+        """(extra tokens a graft at match length `match` earns, the tokens the step's own rate
+        makes in the time its nodes cost): `graft`'s two sides, before hysteresis."""
+        c, v, rate = self._bar
+        g, nodes = self.lookup[sampled].value(match)
+        return g, (nodes * c + (0.0 if head else v)) * rate
 
     def kappa(self, sampled: float | None = None) -> float:
         """The head's acceptance against its table for a step whose share of sampled requests is
