@@ -44,8 +44,8 @@ grafts a request's lookup nodes when their extra tokens per second beat the step
     g_k / (l_k * c + v') > (1 + MARGIN) * tokens(step) / seconds(step)
 
 (c: the fitted seconds per verified draft row; v': the fitted seconds per verifying request
-where the request drafts no head node, else 0; a match length grafted stays grafted down to
-(1 - LOOKUP_HYSTERESIS) of that bar). What is measured fades step by step over an optimistic
+where the request drafts no head node, else 0; (1 + MARGIN) is LOOKUP_TAKE for lookup, and a
+match length grafted stays grafted down to LOOKUP_KEEP of the bar). What is measured fades step by step over an optimistic
 prior, so a match length left out is grafted again after a while and measured anew: what
 lookup earns changes within a reply, and an estimate that is never refreshed stays wrong.
 
@@ -426,9 +426,13 @@ class BudgetPolicy:
     # every few steps and each change restarted frequent exploration (70 explorations in 181
     # steps, session 15)
     HYSTERESIS = 0.03
-    # a match length that is grafted stays grafted until it earns this much less than it must
-    # to be taken up (an estimate from a few dozen noisy grafts dips below the bar)
-    LOOKUP_HYSTERESIS = 0.15
+    # a match length is grafted once it earns LOOKUP_TAKE x the bar and stays grafted while it
+    # earns LOOKUP_KEEP x (an estimate from a few dozen noisy grafts dips below where it was
+    # taken). Both above 1: a graft is kept on the estimate of what it earned, and the match
+    # lengths kept are those whose noisy estimates came out high (at batch 16, T=0, taken at
+    # x1.05 and kept down to x0.85, grafts made `auto` 0.967x no-spec where it was 0.988x
+    # without lookup, in a queue of 48 MT-bench first turns, session 30)
+    LOOKUP_TAKE, LOOKUP_KEEP = 1.25, 1.05
 
     def __init__(self, lengths: dict[int, float], lookup: bool = False) -> None:
         self.table = dict(lengths)  # E(n) of the head's rate table
@@ -462,8 +466,7 @@ class BudgetPolicy:
             return False
         g, bar = self._graft_value(match, sampled, head)
         key = (bool(sampled), match)
-        if g > (1.0 - self.LOOKUP_HYSTERESIS if key in self._grafting else
-                1.0 + self.MARGIN) * bar:
+        if g > (self.LOOKUP_KEEP if key in self._grafting else self.LOOKUP_TAKE) * bar:
             self._grafting.add(key)
             return True
         self._grafting.discard(key)
@@ -476,7 +479,7 @@ class BudgetPolicy:
         then dropped from the grafted set, as `graft` would have dropped them."""
         if self.lookup is None or self._bar is None:
             return False
-        low = 1.0 - self.LOOKUP_HYSTERESIS  # the lower of graft's two bars
+        low = min(self.LOOKUP_KEEP, self.LOOKUP_TAKE)  # the lower of graft's two bars
         for match in matches:
             g, bar = self._graft_value(match, sampled, head)
             if g > low * bar:

@@ -12,7 +12,11 @@ paired ratio (`--batch B`: B prompts per generation, every engine running the sa
 Engines keep their state across prompts, as a server does (`auto`'s estimates carry over;
 `--passes 2` shows the second pass on its own). Outputs run to exactly `--max-new-tokens`
 (ignore_eos), so every configuration produces as many tokens (the same ones at T=0) and a
-group's steps hold all its requests until it ends.
+group's steps hold all its requests until it ends. With `--continuous` each engine instead
+generates every prompt in one call with at most `--batch` running (`max_num_seqs`), the next
+joining as one finishes: a server's queue, where a request that speculation finishes early
+frees its slot at once (in groups it gains nothing until the slowest ends); each pass is then
+one paired ratio, so use several passes.
 
 Prints one line per prompt group and, per configuration, total seconds and speed against the
 first configuration (ratio of totals, median of per-group ratios, the last pass alone); writes
@@ -48,6 +52,15 @@ def summarize(times: dict[str, list[float]], per_pass: int) -> dict[str, dict[st
     return out
 
 
+def plan(prompts: list, batch: int, continuous: bool) -> tuple[list[list], int]:
+    """(the prompt groups each engine generates in turn, the engines' max_num_seqs): groups of
+    `batch` prompts (engines sized for at least 4, as they were before `--batch`), or with
+    `continuous` every prompt in one generation with at most `batch` running."""
+    if continuous:
+        return [list(prompts)], batch
+    return [list(prompts[i:i + batch]) for i in range(0, len(prompts), batch)], max(4, batch)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", action="append", required=True,
@@ -63,6 +76,10 @@ def main(argv=None) -> None:
     p.add_argument("--passes", type=int, default=2)
     p.add_argument("--batch", type=int, default=1,
                    help="prompts per generation (the engines' batch size)")
+    p.add_argument("--continuous", action="store_true",
+                   help="each engine generates all prompts in one call, at most --batch running "
+                        "and the next joining as one finishes (a server's queue), instead of "
+                        "groups of --batch that last as long as their slowest request")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--out", default="runs/interleave.json")
     args = p.parse_args(argv)
@@ -92,14 +109,15 @@ def main(argv=None) -> None:
     tok = AutoTokenizer.from_pretrained(target)
     ds = load_prompts(args.prompts, limit=args.limit, stride=args.stride)
     prompts = [encode_chat(tok, first_turn(m)) for m in ds["messages"]]
-    groups = [prompts[i:i + args.batch] for i in range(0, len(prompts), args.batch)]
+    groups, max_num_seqs = plan(prompts, args.batch, args.continuous)
     dtype = resolve_dtype(args.dtype)
     print(f"[interleave] {describe()}; {len(prompts)} {args.prompts} prompts x "
-          f"{args.max_new_tokens} tokens, batch {args.batch}, T={args.temperature}, "
+          f"{args.max_new_tokens} tokens, batch {args.batch}"
+          f"{' (a queue: continuous batching)' if args.continuous else ''}, T={args.temperature}, "
           f"{args.passes} passes, {dtype}",
           flush=True)
     kw = {"enforce_eager": True, "max_model_len": 2048, "dtype": dtype, "seed": 0,
-          "max_num_seqs": max(4, args.batch)}
+          "max_num_seqs": max_num_seqs}
     engines = {}
     for c, spec in specs.items():
         print(f"[interleave] starting engine: {c}", flush=True)

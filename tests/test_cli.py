@@ -190,6 +190,21 @@ def test_bench_continuous_jobs_and_their_tpot():
 
 
 
+def test_interleave_plans_groups_or_a_queue():
+    """scripts/interleave.py: groups of --batch prompts, the last one shorter; --continuous:
+    every prompt in one generation, at most --batch of them running (the engine's queue)."""
+    from treedraft.scripts.interleave import plan
+
+    prompts = [[i] for i in range(10)]
+    groups, seqs = plan(prompts, 4, continuous=False)
+    assert [len(g) for g in groups] == [4, 4, 2] and sum(groups, []) == prompts and seqs == 4
+    assert plan(prompts, 1, continuous=False)[1] == 4
+    groups, seqs = plan(prompts, 16, continuous=False)
+    assert groups == [prompts] and seqs == 16
+    groups, seqs = plan(prompts, 3, continuous=True)
+    assert groups == [prompts] and seqs == 3
+
+
 def test_interleave_summary_pairs_prompts_against_the_first_config():
     """scripts/interleave.py: speed against the first configuration as the ratio of totals, the
     median of per-prompt ratios and the last pass alone; unequal counts are refused."""

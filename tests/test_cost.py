@@ -350,6 +350,37 @@ def test_lookup_is_grafted_per_request_where_it_pays():
     assert not BudgetPolicy(lengths).graft(4)  # lookup not in the spec
 
 
+def test_a_grafted_match_length_is_never_kept_below_break_even():
+    """Batch 16 on a CPU (a step ~62 ms, a verified row ~2 ms): lookup is taken up only with a
+    margin over what its nodes cost in the step's tokens, and dropped as soon as what it earns
+    falls below that cost. Kept down to 0.85 of it, grafts that earned a little less than they
+    cost were made on every step they matched (auto 0.967x no-spec at batch 16, T=0, in a queue,
+    where it ran 0.988x without lookup; session 30)."""
+    lengths = expected_lengths(RATES, 16, chain=False)
+    policy = BudgetPolicy(lengths, lookup=True)
+    policy.model = fitted(0.030, 0.002, 0.002)
+    policy.choose(16)
+    bar = policy._graft_value(4, False, 0)[1]  # the tokens 4 nodes' time makes in this step
+    assert 1.5 < bar < 2.5
+
+    def earn(ratio):  # a graft of match length 4 a step, each earning `ratio` x its cost,
+        for _ in range(1000):  # long enough for what came before to fade
+            policy.observe_lookup(4, 4, ratio * bar)
+            policy.lookup[0].step()
+        policy.choose(16)
+
+    earn(1.15)
+    assert not policy.graft(4)  # not taken up on an estimate within the margin
+    earn(1.5)
+    assert policy.graft(4)
+    earn(1.15)
+    assert policy.graft(4)  # grafted: it stays while it earns more than it costs
+    earn(0.95)
+    assert not policy.graft(4)  # below break-even: dropped at once
+    # nor does an untried match length's optimistic prior pay at this batch
+    assert not policy.may_graft(range(1, 5))
+
+
 def test_may_graft_says_whether_any_match_length_can_pay_and_agrees_with_graft():
     """`may_graft` (the engine skips finding match lengths when it is False) is True exactly
     when `graft` would say yes at some listed match length, and a False leaves no match length
