@@ -44,10 +44,11 @@ grafts a request's lookup nodes when their extra tokens per second beat the step
     g_k / (l_k * c + v') > (1 + MARGIN) * tokens(step) / seconds(step)
 
 (c: the fitted seconds per verified draft row; v': the fitted seconds per verifying request
-where the request drafts no head node, else 0; (1 + MARGIN) is LOOKUP_TAKE for lookup, and a
-match length grafted stays grafted down to LOOKUP_KEEP of the bar). What is measured fades step by step over an optimistic
-prior, so a match length left out is grafted again after a while and measured anew: what
-lookup earns changes within a reply, and an estimate that is never refreshed stays wrong.
+where the request drafts no head node, else 0; for lookup the factor (1 + MARGIN) is
+LOOKUP_TAKE, and a match length grafted stays grafted down to LOOKUP_KEEP times the bar, never
+below it). What is measured fades step by step over an optimistic prior, so a match length left
+out is grafted again after a while and measured anew: what lookup earns changes within a reply,
+and an estimate that is never refreshed stays wrong.
 
 What a head and a lookup earn depends on the request's temperature: a greedy request accepts a
 draft when it is the target's argmax, a sampled one with the target's probability of it (at
