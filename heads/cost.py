@@ -41,12 +41,11 @@ lookup proposal (1..4 tokens of its history's suffix seen before), what grafting
 tokens on lookup-only nodes) and cost (lookup-only nodes verified), and `BudgetPolicy.graft`
 grafts a request's lookup nodes when their extra tokens per second beat the step's own:
 
-    g_k / (l_k * c + v') > (1 + MARGIN) * tokens(step) / seconds(step)
+    g_k / (l_k * c + v') > LOOKUP_TAKE * tokens(step) / seconds(step)
 
 (c: the fitted seconds per verified draft row; v': the fitted seconds per verifying request
-where the request drafts no head node, else 0; for lookup the factor (1 + MARGIN) is
-LOOKUP_TAKE, and a match length grafted stays grafted down to LOOKUP_KEEP times the bar, never
-below it). What is measured fades step by step over an optimistic prior, so a match length left
+where the request drafts no head node, else 0; a match length grafted stays grafted down to
+LOOKUP_KEEP times the right-hand side, both factors above 1). What is measured fades step by step over an optimistic prior, so a match length left
 out is grafted again after a while and measured anew: what lookup earns changes within a reply,
 and an estimate that is never refreshed stays wrong.
 
@@ -490,7 +489,7 @@ class BudgetPolicy:
 
     def _graft_value(self, match: int, sampled: bool, head: int) -> tuple[float, float]:
         """(extra tokens a graft at match length `match` earns, the tokens the step's own rate
-        makes in the time its nodes cost): `graft`'s two sides, before hysteresis."""
+        makes in the time its nodes cost): `graft`'s two sides, before LOOKUP_TAKE / LOOKUP_KEEP."""
         c, v, rate = self._bar
         g, nodes = self.lookup[sampled].value(match)
         return g, (nodes * c + (0.0 if head else v)) * rate
