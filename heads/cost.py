@@ -60,7 +60,9 @@ the other's acceptance; a step mixing them expects the mix of its requests.
 costs, and then only where drafting promises more than `MARGIN` over drafting nothing; it
 explores one budget up (and down) at an interval that doubles while the choice holds, so
 exploration costs little once the answer is clear, and goes back to frequent exploration when
-the choice changes. Where no plain step was measured for a while, an exploration down drafts
+the choice changes. A choice verifies at most about twice the rows a measured step verified
+(at least one node per request, or 16 rows): the linear cost fit is trusted near what it has seen, and
+larger budgets are reached step by step. Where no plain step was measured for a while, an exploration down drafts
 nothing: the model's plain steps must be of the machine as it is now (a start-up stall left
 slow plain steps beside fast drafting ones and every row looked free, `StepCostModel`).
 """
@@ -139,6 +141,7 @@ class StepCostModel:
         self._coef: tuple[float, ...] | None = None
         self._fitted = False
         self._stale = 0  # plain steps added since the last fit
+        self._max_verified = 0.0
 
     @property
     def samples(self) -> list[tuple[float, ...]]:
@@ -173,6 +176,7 @@ class StepCostModel:
         if plain:
             self._plain_at = self.steps
         (self.plain if plain else self.drafting).append((*x, float(seconds)))
+        self._max_verified = max(self._max_verified, float(verified))
         self._stale += 1
         if not plain or stale or self._coef is None or self._stale >= self.refit_every:
             self._coef, self._fitted = None, False
@@ -186,6 +190,14 @@ class StepCostModel:
     def knows_verifying(self) -> bool:
         """Whether steps that verified drafts were measured."""
         return any(s[2] > 0 for s in self.drafting)
+
+    @property
+    def max_verified(self) -> float:
+        """The most draft rows one measured step verified so far (0: none yet): beyond about
+        twice that, what a row costs is extrapolated (`best_budget`'s trust region). Kept over
+        the whole run, not the window: a region that shrank as rare large steps left the window
+        would make the choices take turns."""
+        return self._max_verified
 
     @property
     def knows_drafting(self) -> bool:
@@ -289,16 +301,29 @@ def step_rate(model: StepCostModel, batch: int, lengths: dict[int, float], n: in
     return batch * lengths[n] / max(seconds, 1e-9)
 
 
+# rows a choice may verify whatever was measured (`best_budget`'s trust region): a wrong guess
+# of this size costs one step a few tens of ms on a 2-core CPU
+TRUST_ROWS = 16
+
+
 def best_budget(model: StepCostModel, batch: int, lengths: dict[int, float],
-                margin: float = 0.0, current: int | None = None, hysteresis: float = 0.0
-                ) -> int:
+                margin: float = 0.0, current: int | None = None, hysteresis: float = 0.0,
+                trust: float | None = None) -> int:
     """The budget in `lengths` with the most expected tokens per second for `batch` decoding
     requests (ties: the smaller budget); 0 until the model knows what drafting costs, and 0
     unless drafting is expected to beat no drafting by more than `margin` (x100 %). `current`
     (the budget chosen so far) stays unless another is expected to beat it by more than
-    `hysteresis` (x100 %): near-equal budgets do not take turns on measurement noise."""
+    `hysteresis` (x100 %): near-equal budgets do not take turns on measurement noise.
+    `trust`: only budgets whose step verifies at most max(batch, TRUST_ROWS, trust x the most
+    rows a measured step verified) rows are considered, so a fit is never extrapolated far (one
+    request's one-node exploration priced a row at ~0 against noisy start-up steps and auto
+    drafted 60 nodes for each of 16 requests, ~1,000 rows in one step, session 31); the budgets
+    beyond are reached as explorations and choices measure more rows."""
     if model.fit() is None or batch <= 0 or not model.knows_drafting:
         return 0
+    if trust is not None:
+        cap = max(batch, TRUST_ROWS, trust * model.max_verified)
+        lengths = {n: e for n, e in lengths.items() if n == 0 or batch * n <= cap}
     predict = model.predictor()
     rate = {n: step_rate(model, batch, lengths, n, predict) for n in lengths}.__getitem__
     best = max(sorted(lengths), key=lambda n: (rate(n), -n))
@@ -426,6 +451,9 @@ class BudgetPolicy:
     # every few steps and each change restarted frequent exploration (70 explorations in 181
     # steps, session 15)
     HYSTERESIS = 0.03
+    # a choice verifies at most max(batch, TRUST_ROWS, TRUST x the most rows one measured step
+    # verified): the cost fit is not extrapolated far beyond what was measured (`best_budget`)
+    TRUST = 2.0
     # a match length is grafted once it earns LOOKUP_TAKE x the bar and stays grafted while it
     # earns LOOKUP_KEEP x (an estimate from a few dozen noisy grafts dips below where it was
     # taken). Both above 1: a graft is kept on the estimate of what it earned, and the match
@@ -513,7 +541,7 @@ class BudgetPolicy:
 
     def best(self, batch: int, lengths: dict[int, float] | None = None) -> int:
         return best_budget(self.model, batch, lengths or self.lengths(), self.MARGIN,
-                           self._choice, self.HYSTERESIS)
+                           self._choice, self.HYSTERESIS, self.TRUST)
 
     def choose(self, batch: int, sampled: int = 0) -> tuple[int, bool]:
         """(budget, explored) for a step with `batch` drafting requests, `sampled` of them

@@ -118,6 +118,11 @@ class AutoBudget:
         # drafting accepted 0.42 a node, and held it at 0 head nodes for 98 % of its steps)
         self.exploring = False
         self.teacher_checks = 0  # positions the head was tested on, teacher-forced
+        # what auto did, per kind of step (`tally`): "plain" (nothing drafted), "head" (head
+        # nodes), "lookup" (grafted lookup alone), "explore"; steps and seconds (the worker's
+        # step, catch-up included, by what it decided to draft for the next)
+        self.steps: dict[str, int] = defaultdict(int)
+        self.seconds: dict[str, float] = defaultdict(float)
 
     def set_rates(self, rates) -> None:
         from treedraft.heads.cost import BudgetPolicy, expected_lengths
@@ -194,12 +199,12 @@ class AutoBudget:
                 "x%.2f, sampled x%.2f; per nodes drafted: greedy %s, sampled %s); step ~ %.1f "
                 "ms + %.2f ms/decode row + %.2f ms/prefill row + %.2f ms/verified draft + %.2f "
                 "ms/drafted node + %.2f ms/verifying request; %d steps measured, %d explored, "
-                "%d positions checked teacher-forced)",
+                "%d positions checked teacher-forced; so far: %s)",
                 batch, sampled, n, self._lookup_said(), self.policy.lengths()[n],
                 self.policy.kappa(), *(a.kappa for a in self.policy.acceptance),
                 *(a.said() for a in self.policy.acceptance),
                 *(1e3 * c for c in coef), len(self.policy.model.samples), self.explorations,
-                self.teacher_checks)
+                self.teacher_checks, self.tally())
             self._logged, self._log_at = (batch, n), now
         return n, self.policy.explorers(batch, explored)
 
@@ -210,6 +215,13 @@ class AutoBudget:
         return "" if lookup is None else (f" (+ lookup where it pays: greedy "
                                           f"{lookup[GREEDY].said()}; sampled "
                                           f"{lookup[SAMPLED].said()})")
+
+    def tally(self) -> str:
+        """What auto did so far, e.g. 'plain 812 steps (61.2 ms each), head 40 (70.1 ms), ...;
+        12 explorations'."""
+        parts = [f"{k} {self.steps[k]} steps ({1e3 * self.seconds[k] / self.steps[k]:.1f} ms)"
+                 for k in ("plain", "head", "lookup", "explore") if self.steps.get(k)]
+        return (", ".join(parts) or "no steps") + f"; {self.explorations} explorations"
 
     def step_started(self) -> None:
         now = time.perf_counter()
@@ -231,6 +243,11 @@ class AutoBudget:
         their own (heads/cost.py); `grafted`: requests that grafted lookup this step -> (match
         length, lookup-only nodes); `sampling`: the requests of this step that sample (T > 0)."""
         now = time.perf_counter()
+        kind = ("explore" if self.exploring else "head" if drafted else
+                "lookup" if grafted else "plain")
+        self.steps[kind] += 1
+        if self._start is not None:
+            self.seconds[kind] += now - self._start
         spec = scheduler_output.scheduled_spec_decode_tokens
         decode = prefill = verified = verifying = 0
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
@@ -249,6 +266,7 @@ class AutoBudget:
         self._start, self._last_end = None, now
         self._drafted, self._grafted = drafted, grafted or {}
         self._sampling = sampling or set()
+        self.exploring = False  # until `choose` plans the next exploration
 
 
 def auto_chain_depth(n: int, budget: int, spec, head) -> int:

@@ -5,6 +5,13 @@ the head back. Standalone: runs on a machine where treedraft is not installed.
     python part-2/stage.py --run --out "$OUT"        # last part: check, install, train, write back
     python part-2/stage.py --run --out "$OUT" -- --max_steps=100    # extra `treedraft train` args
     python part-2/stage.py --run --out "$OUT" --limit-minutes 8     # train at most 8 minutes
+    python part-2/stage.py --run --resume --out "$OUT" -- --time_limit_minutes=4   # go on
+
+A run in pieces (a machine lent for calls of a few minutes each: one lost call then loses one
+piece, not the run): give the bundle's config `budget_minutes` (the run's training time over
+all its pieces: one schedule), train each piece with `-- --time_limit_minutes=M`, and continue
+the next with `--resume` (the run's newest checkpoint, optimizer included, on this machine's
+disk; every piece sends back the head as it stands).
 
 A bundle built with --then trains its configs in order (the later ones on the first one's prompts
 and replies); --limit-minutes bounds them all together, extra args go to the first.
@@ -130,13 +137,23 @@ def clear_outputs(run: Path) -> None:
 
 
 def train(root: Path, stage: Path, extra: list[str], limit_s: float | None = None,
-          config: str = "config.json") -> tuple[Path, int]:
+          config: str = "config.json", resume: bool = False) -> tuple[Path, int]:
     """Run `treedraft train` on one of the bundle's configs; returns (its out_dir, exit status;
-    124 when stopped at limit_s)."""
+    124 when stopped at limit_s). `resume`: continue the run from its newest checkpoint in this
+    stage folder (a run without one starts afresh, said)."""
     cfg = json.loads((root / config).read_text())
     fill = lambda v: v.replace("{stage}", str(root)) if isinstance(v, str) else v  # noqa: E731
     cfg = {k: fill(v) for k, v in cfg.items()}
-    clear_outputs(Path(cfg["out_dir"]))
+    run = Path(cfg["out_dir"])
+    found = sorted((run / "checkpoints").glob("step-*/trainer_state.pt")) if resume else []
+    if found:
+        print(f"[bundle] {config}: resuming from {found[-1].parent}", flush=True)
+        extra = [*extra, "--resume", str(found[-1].parent)]
+    else:
+        if resume:
+            print(f"[bundle] {config}: no checkpoint under {run} to resume (this machine's "
+                  "disk was not kept?): training from the start", flush=True)
+        clear_outputs(run)
     cfg_path = stage / config
     cfg_path.write_text(json.dumps(cfg, indent=1))
     # Batches of varying length fragment the CUDA caching allocator; expandable segments avoid
@@ -239,6 +256,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=None, help="where the trained head goes")
     p.add_argument("--limit-minutes", type=float, default=None,
                    help="stop training after this long and send back the newest checkpoint")
+    p.add_argument("--resume", action="store_true",
+                   help="continue each run from its newest checkpoint in the stage folder (an "
+                        "earlier --run on this machine), instead of starting it afresh")
     args = p.parse_args(argv)
     if args.limit_minutes is not None and args.limit_minutes <= 0:
         p.error(f"--limit-minutes {args.limit_minutes:g} must be > 0")
@@ -267,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
             failed.append((config, "not started"))
             continue
         # the command line's extra arguments go to the first run, like the bundle's overrides
-        run, rc = train(root, args.stage, extra if i == 0 else [], left, config)
+        run, rc = train(root, args.stage, extra if i == 0 else [], left, config, args.resume)
         outs.append(run)
         if rc != 0:
             failed.append((config, f"status {rc}"))

@@ -61,6 +61,25 @@ def plan(prompts: list, batch: int, continuous: bool) -> tuple[list[list], int]:
     return [list(prompts[i:i + batch]) for i in range(0, len(prompts), batch)], max(4, batch)
 
 
+def runner_of(llm):
+    """The V1 model runner of an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0), or None
+    where this vLLM lays its engine out otherwise."""
+    node = llm
+    for attr in ("llm_engine", "engine_core", "engine_core", "model_executor", "driver_worker",
+                 "worker", "model_runner"):
+        node = getattr(node, attr, None)
+        if node is None:
+            return None
+    return node
+
+
+def auto_tally(llm) -> str | None:
+    """What `"tree": "auto"` did in this engine so far (plugin.proposer.AutoBudget.tally), or
+    None for an engine without auto."""
+    auto = getattr(getattr(runner_of(llm), "drafter", None), "auto", None)
+    return auto.tally() if auto is not None else None
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", action="append", required=True,
@@ -137,12 +156,15 @@ def main(argv=None) -> None:
             print(f"[interleave] pass {pass_ + 1}/{args.passes} group {i + 1}/{len(groups)}: "
                   + ", ".join(f"{c} {times[c][-1]:.2f} s" for c in names), flush=True)
     summary = summarize(times, len(groups))
+    tallies = {c: auto_tally(engines[c]) for c in names}
     for c, s in summary.items():
         print(f"{c}: {s['seconds']:.1f} s, {s['vs_first']:.3f}x {names[0]} (median per group "
-              f"{s['median_vs_first']:.3f}x, last pass {s['last_pass_vs_first']:.3f}x)")
+              f"{s['median_vs_first']:.3f}x, last pass {s['last_pass_vs_first']:.3f}x)"
+              + (f"; auto: {tallies[c]}" if tallies[c] else ""))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"machine": describe(), "args": vars(args),
-                                          "seconds": times, "summary": summary}, indent=1))
+                                          "seconds": times, "summary": summary,
+                                          "auto": tallies}, indent=1))
     print(f"wrote {args.out}")
 
 

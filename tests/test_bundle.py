@@ -87,6 +87,16 @@ def test_bundle_trains_on_a_bare_machine_dry_run(tmp_path, monkeypatch):
     assert head.config.target.hidden_size == 576
     log = (tmp_path / "back" / "train_log.jsonl").read_text().splitlines()
     assert sum('"lr"' in ln for ln in log) == 2  # two optimizer steps
+    # the next call on this machine continues the run from its checkpoint (a run in pieces)
+    proc = subprocess.run([*stage_py, str(parts[-1] / "stage.py"), "--stage", str(stage), "--run",
+                           "--resume", "--out", str(tmp_path / "out-r"), "--", "--max_steps=3"],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "resuming from" in proc.stdout and "step-0000002" in proc.stdout, proc.stdout[-2000:]
+    blob = b"".join(p.read_bytes() for p in sorted((tmp_path / "out-r").glob("head.tar.gz.*")))
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+        log_r = tar.extractfile("train_log.jsonl").read().decode().splitlines()
+    assert [json.loads(ln)["step"] for ln in log_r if '"lr"' in ln] == [1, 2, 3]
 
     # a run that failed (or was stopped) after a checkpoint sends that checkpoint back as final/
     import importlib.util

@@ -399,6 +399,12 @@ def test_greedy_outputs_identical_to_no_speculation(runs, name, prompts, target)
         _, ms, measured, explored, checked = said[-1]  # chose from what it measured
         assert float(ms) > 0 and int(measured) >= 12 and int(explored) >= 1, said
         assert int(checked) > 0, said  # catch-up commits tested the head (acceptance signal)
+        # and what it did so far, by kind of step: every exploration was one step that explored
+        tally = re.findall(r"so far: ([^;]*); (\d+) explorations\)", log)
+        assert tally and tally[-1][1] == explored, (tally[-1:], said[-1])
+        kinds = dict((k, int(n)) for k, n in re.findall(r"(\w+) (\d+) steps", tally[-1][0]))
+        assert kinds.get("explore") == int(explored) and sum(kinds.values()) >= int(measured), (
+            tally[-1])
         # a sampled request drafted for: its head nodes as one chain drawn from q, verified
         # against q (the queued job's odd requests sample)
         drew = re.findall(r"treedraft auto: \d+ drafting requests \((\d+) sampling\) -> (\d+) "

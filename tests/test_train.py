@@ -248,6 +248,33 @@ def test_init_from_does_not_warm_up_again(tiny, tmp_path):
     assert lrs == [pytest.approx(3e-3), 0.0]  # full rate at once, decayed at the last step
 
 
+def test_budget_minutes_keeps_one_schedule_across_resumes(tiny, tmp_path):
+    """A run in pieces (time_limit_minutes / stop_after_steps per invocation, --resume the next)
+    follows ONE schedule over budget_minutes: the checkpoint keeps the minutes trained, and a
+    resume continues the clock where it stood instead of starting it again."""
+    from treedraft.training import checkpoint as ckpt_io
+
+    out = tmp_path / "run"
+    train(load_config(None, args(tiny, out, max_steps=100_000, warmup_steps=0, schedule="wsd",
+                                 decay_fraction=0.5, budget_minutes=10, stop_after_steps=2)))
+    lines = [json.loads(ln) for ln in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in lines if "lr" in r] == [pytest.approx(3e-3)] * 2  # stable phase
+    ckpt = ckpt_io.find_checkpoint(out)
+    state = ckpt_io.load_state(ckpt)
+    assert 0 < state["trained_seconds"] < 600
+    # as if 9 min 58 s of the 10 had been trained: the resumed run is at the end of its decay
+    state["trained_seconds"] = 598.0
+    torch.save(state, ckpt / ckpt_io.STATE_FILE)
+    main(["train", "--resume", str(out)])
+    lines = [json.loads(ln) for ln in (out / "train_log.jsonl").read_text().splitlines()]
+    lrs = [r["lr"] for r in lines if "lr" in r]
+    assert len(lrs) > 2 and lrs[:2] == [pytest.approx(3e-3)] * 2
+    assert 0 <= lrs[2] < 3e-3 * (2.5 / 60) / 0.5, lrs[:4]  # <= 2.5 s of 600 left, decay half
+    assert lrs[-1] < 3e-5 and len(lrs) < 100_000  # the budget, not max_steps, ended the run
+    assert ckpt_io.load_state(ckpt_io.find_checkpoint(out))["trained_seconds"] > 600
+    assert (out / "final" / "model.safetensors").is_file()
+
+
 def test_resume_with_different_config_is_refused(tiny, tmp_path):
     train(cfg_of(tiny, tmp_path, max_steps=2))
     with pytest.raises(ValueError, match=r"different config: lr: 0.003 -> 0.01") as e:
@@ -447,6 +474,7 @@ def test_config_file_and_overrides(tmp_path):
     (["--gen_temperatures=[]"], r"gen_temperatures=\[\] must be a non-empty list"),
     (["--gen_temperature=-0.5"], r"gen_temperature=-0.5 must be >= 0"),
     (["--gen_time_limit_minutes=0"], r"gen_time_limit_minutes=0.0 must be > 0"),
+    (["--budget_minutes=-1"], r"budget_minutes=-1.0 must be > 0"),
     (["lr=1"], r"must look like --key=value"),
 ])
 def test_bad_config_errors(over, match):

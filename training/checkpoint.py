@@ -105,10 +105,12 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(out_dir: Path, step: int, head, cfg: TrainConfig, prov: dict, *,
-                    optimizer, scheduler, position: dict, data_fingerprint: str) -> Path:
+                    optimizer, scheduler, position: dict, data_fingerprint: str,
+                    trained_seconds: float = 0.0) -> Path:
+    """`trained_seconds`: the run's wall time so far over all its invocations (budget_minutes)."""
     state = {"step": step, "position": position, "optimizer": optimizer.state_dict(),
              "scheduler": scheduler.state_dict(), "rng": rng_state(),
-             "data_fingerprint": data_fingerprint}
+             "data_fingerprint": data_fingerprint, "trained_seconds": trained_seconds}
     path = save_head_dir(Path(out_dir) / "checkpoints" / f"step-{step:07d}", head, cfg, prov,
                          state)
     prune(Path(out_dir) / "checkpoints", cfg.keep_checkpoints)

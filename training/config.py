@@ -120,6 +120,12 @@ class TrainConfig:
     # the same curve (time-boxed sessions, and how the tests simulate a kill).
     stop_after_steps: int | None = None
     time_limit_minutes: float | None = None
+    # The run's training time over ALL its invocations (each --resume adds its own; the
+    # checkpoint keeps the sum): the schedule's clock (decay finished when it is spent) and the
+    # run's end. Lets a time-boxed run go on in pieces (a GPU lent for calls of a few minutes:
+    # --time_limit_minutes per call, --resume the next) on ONE schedule; time_limit_minutes
+    # alone restarts its clock at each invocation.
+    budget_minutes: float | None = None
     progress: bool = True  # tqdm bars
     # --- optional feature cache (default: stream target features, no disk)
     cache_features: bool = False
@@ -146,6 +152,9 @@ class TrainConfig:
                              "of temperatures >= 0 (0 = greedy), e.g. --gen_temperatures=[0,1]"
                              if self.gen_temperatures is not None else
                              f"gen_temperature={self.gen_temperature} must be >= 0 (0 = greedy)")
+        for key in ("time_limit_minutes", "budget_minutes"):
+            if getattr(self, key) is not None and getattr(self, key) <= 0:
+                raise ValueError(f"{key}={getattr(self, key)} must be > 0 (or none)")
         if self.gen_time_limit_minutes is not None and self.gen_time_limit_minutes <= 0:
             raise ValueError(f"gen_time_limit_minutes={self.gen_time_limit_minutes} must be > 0 "
                              "(or none: answer every prompt)")

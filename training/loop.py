@@ -95,6 +95,17 @@ def curriculum_depth(progress: float, full: int, fraction: float) -> int:
     return min(full, 1 + int((full - 1) * progress / fraction))
 
 
+def run_clock(cfg: TrainConfig, trained, t_run: float):
+    """The share of its time budget a run has used, as a function (None: no time budget):
+    `budget_minutes` against `trained()` (seconds over all the run's invocations), else
+    `time_limit_minutes` against this invocation's time since `t_run`."""
+    if cfg.budget_minutes is not None:
+        return lambda: trained() / (60 * cfg.budget_minutes)
+    if cfg.time_limit_minutes is not None:
+        return lambda: (time.perf_counter() - t_run) / (60 * cfg.time_limit_minutes)
+    return None
+
+
 def lr_lambda(warmup: int, total: int, schedule: str = "cosine", decay_fraction: float = 0.2,
               clock=None):
     """Multiplier of lr after s steps: linear warmup to 1, then `cosine` to 0 at `total` steps, or
@@ -239,7 +250,9 @@ def train(cfg: TrainConfig, resume: str | os.PathLike | None = None) -> Path | N
                  else describe())
         print(f"[treedraft] training in {dtype} (dtype={cfg.dtype}; {where}); lr "
               f"{cfg.schedule} schedule, decay finished at "
-              + (f"{cfg.time_limit_minutes} min or " if cfg.time_limit_minutes else "")
+              + (f"{cfg.budget_minutes} min of training over all invocations or "
+                 if cfg.budget_minutes else
+                 f"{cfg.time_limit_minutes} min or " if cfg.time_limit_minutes else "")
               + "the last step", flush=True)
     autocast = torch.bfloat16 if dtype == "bfloat16" else None
     batch_fn = make_batches(cfg, loaded.model, head, train_seqs, out, autocast)
@@ -252,14 +265,21 @@ def train(cfg: TrainConfig, resume: str | os.PathLike | None = None) -> Path | N
     total = (cfg.max_steps if cfg.max_steps is not None
              else math.ceil(cfg.epochs * order.per_epoch / cfg.grad_accum))
     t_run = time.perf_counter()
-    clock = None if cfg.time_limit_minutes is None else (
-        lambda: (time.perf_counter() - t_run) / (60 * cfg.time_limit_minutes))
+    before = ckpt_io.load_state(ckpt).get("trained_seconds", 0.0) if ckpt is not None else 0.0
+
+    def trained() -> float:  # seconds of this run over all its invocations
+        return before + time.perf_counter() - t_run
+
+    clock = run_clock(cfg, trained, t_run)
     warmup = 0 if cfg.init_from else cfg.warmup_steps  # a trained head does not warm up again
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(warmup, total, cfg.schedule, cfg.decay_fraction, clock))
     data_fp, step = fingerprint(train_seqs), 0
     if ckpt is not None:
         step = resume_from(ckpt, head, optimizer, scheduler, data_fp)
+        if cfg.budget_minutes is not None and d.main:
+            print(f"[treedraft] resuming at step {step}: {before / 60:.2f} of "
+                  f"{cfg.budget_minutes} budgeted minutes trained", flush=True)
         order = DataOrder(len(train_seqs), cfg, d, ckpt_io.load_state(ckpt)["position"],
                           lengths=lengths)
     model = objective if d.world == 1 else wrap_ddp(objective)
@@ -272,7 +292,8 @@ def train(cfg: TrainConfig, resume: str | os.PathLike | None = None) -> Path | N
         if d.main:
             ckpt_io.save_checkpoint(out, step, head, cfg, ckpt_io.provenance(cfg, step=step, **prov),
                                     optimizer=optimizer, scheduler=scheduler,
-                                    position=order.position(), data_fingerprint=data_fp)
+                                    position=order.position(), data_fingerprint=data_fp,
+                                    trained_seconds=trained())
 
     head.train()
     bar = tqdm(total=total, initial=step, desc=f"train {cfg.head_type}",
@@ -299,7 +320,8 @@ def train(cfg: TrainConfig, resume: str | os.PathLike | None = None) -> Path | N
         bar.update(1)
         stop = (cfg.stop_after_steps is not None and step - started >= cfg.stop_after_steps) or (
             cfg.time_limit_minutes is not None
-            and time.perf_counter() - t_run > 60 * cfg.time_limit_minutes)
+            and time.perf_counter() - t_run > 60 * cfg.time_limit_minutes) or (
+            cfg.budget_minutes is not None and trained() > 60 * cfg.budget_minutes)
         if stop:
             break
         if cfg.measure_every and step % cfg.measure_every == 0 and step < total and d.main:
