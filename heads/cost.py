@@ -151,7 +151,8 @@ class StepCostModel:
             drafted: int = 0, drafting_seconds: float | None = None, requests: int = 0,
             verifying: int = 0) -> None:
         """One step: its wall seconds and counts. A sample more than 4x slower than the model
-        predicts (an idle gap, a stall) is dropped; a plain step far faster than the kept ones
+        predicts (an idle gap, a stall) is dropped, unless it verified more rows than any step
+        before (the price of a row, mispriced, is what it measures); a plain step far faster than the kept ones
         after a while without one replaces them (`STALE_AFTER`). `drafting_seconds` (the
         step's drafting phase, timed by the caller) with `requests` (how many requests
         drafted): the drafting cost is fitted from those times and the rest of the step from
@@ -166,7 +167,8 @@ class StepCostModel:
             return
         self.steps += 1
         predicted = self.predict(*x) if self.fit() is not None else None
-        if predicted is not None and seconds > 4 * predicted:
+        # (a step that verified more rows than any before is what the fit lacks, not a stall)
+        if predicted is not None and seconds > 4 * predicted and verified <= self._max_verified:
             return
         plain = not (verified or drafted)
         stale = (plain and predicted is not None and self.plain_age >= self.STALE_AFTER

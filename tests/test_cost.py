@@ -121,6 +121,19 @@ def test_a_budget_far_beyond_the_rows_measured_is_not_chosen():
     assert model.max_verified == 16 and policy.best(16) <= 2
     assert policy.best(1) <= 32  # one request: up to twice the rows a step verified
     assert best_budget(model, 4, policy.lengths(), trust=2.0) <= 8  # 16 rows whatever measured
+    # a step beyond the rows measured, far slower than the fit predicted, is kept: it is the
+    # price the fit lacked (dropped as a stall, it taught nothing and the choice came back)
+    one = BudgetPolicy(lengths)
+    for i in range(14):
+        one.step_done(0.015 + 0.001 * (i % 3), 1, 0, 0, 0)
+    one.step_done(0.015, 1, 0, 0, 1, 0.0002, 1)
+    one.step_done(0.0155, 1, 0, 1, 0, verifying=1)
+    big = one.best(1)
+    assert one.model.fit()[3] == 0.0 and 8 <= big <= 16  # rows look free: up to the 16 trusted
+    predicted = one.model.predict(1, 0, 16, 0, 0, 1)
+    one.step_done(0.016 + 16 * 0.003, 1, 0, 16, 0, verifying=1)  # > 4x predicted
+    assert 0.064 > 4 * predicted and one.model.max_verified == 16
+    assert one.model.predict(1, 0, 16, 0, 0, 1) > 0.04 and one.best(1) < big
 
 
 def test_the_current_budget_stays_unless_another_beats_it_by_the_hysteresis():
