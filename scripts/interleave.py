@@ -99,6 +99,9 @@ def main(argv=None) -> None:
                    help="each engine generates all prompts in one call, at most --batch running "
                         "and the next joining as one finishes (a server's queue), instead of "
                         "groups of --batch that last as long as their slowest request")
+    p.add_argument("--profile", action="store_true",
+                   help="also time each engine's step phases (plugin/profile.py) and print "
+                        "milliseconds per step by phase and engine")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--out", default="runs/interleave.json")
     args = p.parse_args(argv)
@@ -141,6 +144,18 @@ def main(argv=None) -> None:
     for c, spec in specs.items():
         print(f"[interleave] starting engine: {c}", flush=True)
         engines[c] = LLM(target, speculative_config=spec, **kw)
+    profiles = {}
+    if args.profile:
+        from treedraft.plugin.profile import instrument
+
+        folder = Path(args.out).with_suffix(".profile")
+        folder.mkdir(parents=True, exist_ok=True)
+        for i, c in enumerate(engines):
+            runner = runner_of(engines[c])
+            if runner is None:
+                p.error("--profile needs the engine's runner in this process; this vLLM lays "
+                        "its engine out otherwise")
+            profiles[c] = instrument(runner, folder / f"engine-{i}.json")
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens,
                             ignore_eos=True, seed=1)
     names, times = list(engines), {c: [] for c in engines}
@@ -161,10 +176,20 @@ def main(argv=None) -> None:
         print(f"{c}: {s['seconds']:.1f} s, {s['vs_first']:.3f}x {names[0]} (median per group "
               f"{s['median_vs_first']:.3f}x, last pass {s['last_pass_vs_first']:.3f}x)"
               + (f"; auto: {tallies[c]}" if tallies[c] else ""))
+    phases = {}
+    if profiles:
+        from treedraft.plugin.profile import PHASES, delta, per_step_ms
+
+        phases = {c: per_step_ms(delta({}, prof.totals)) for c, prof in profiles.items()}
+        cols = (*PHASES, "other")
+        print("ms per step | " + " | ".join(cols))
+        for c, ms in phases.items():
+            steps = int(profiles[c].totals["steps"])
+            print(f"{c} ({steps} steps) | " + " | ".join(f"{ms.get(k, 0.0):.2f}" for k in cols))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"machine": describe(), "args": vars(args),
                                           "seconds": times, "summary": summary,
-                                          "auto": tallies}, indent=1))
+                                          "auto": tallies, "ms_per_step": phases}, indent=1))
     print(f"wrote {args.out}")
 
 
