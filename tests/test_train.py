@@ -271,7 +271,14 @@ def test_budget_minutes_keeps_one_schedule_across_resumes(tiny, tmp_path):
     assert len(lrs) > 2 and lrs[:2] == [pytest.approx(3e-3)] * 2
     assert 0 <= lrs[2] < 3e-3 * (2.5 / 60) / 0.5, lrs[:4]  # <= 2.5 s of 600 left, decay half
     assert lrs[-1] < 3e-5 and len(lrs) < 100_000  # the budget, not max_steps, ended the run
-    assert ckpt_io.load_state(ckpt_io.find_checkpoint(out))["trained_seconds"] > 600
+    last = ckpt_io.find_checkpoint(out)
+    assert ckpt_io.load_state(last)["trained_seconds"] > 600
+    assert (out / "final" / "model.safetensors").is_file()
+    # a resume that finds the budget spent trains no step: it measures and saves the head
+    (out / "final" / "model.safetensors").unlink()
+    main(["train", "--resume", str(out)])
+    after = [json.loads(ln) for ln in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in after if "lr" in r] == lrs
     assert (out / "final" / "model.safetensors").is_file()
 
 

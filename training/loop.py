@@ -302,7 +302,10 @@ def train(cfg: TrainConfig, resume: str | os.PathLike | None = None) -> Path | N
     if cfg.measure_every and cfg.init_from and step == 0 < total and d.main:
         # the head it continues, on the same held-out sequences: the learning curve's start
         log_heldout(cfg, head, measure_fn, measure_seqs, 0, log, bool(eval_seqs))
-    while step < total:
+    def spent() -> bool:  # the run's budget_minutes are used up (a resume may find them so)
+        return cfg.budget_minutes is not None and trained() > 60 * cfg.budget_minutes
+
+    while step < total and not spent():
         if cfg.unroll_curriculum and head.head_type == "eagle":
             progress = max(step / total, clock() if clock is not None else 0.0)
             objective.depth = curriculum_depth(progress, cfg.unroll_steps, cfg.unroll_curriculum)
@@ -320,8 +323,7 @@ def train(cfg: TrainConfig, resume: str | os.PathLike | None = None) -> Path | N
         bar.update(1)
         stop = (cfg.stop_after_steps is not None and step - started >= cfg.stop_after_steps) or (
             cfg.time_limit_minutes is not None
-            and time.perf_counter() - t_run > 60 * cfg.time_limit_minutes) or (
-            cfg.budget_minutes is not None and trained() > 60 * cfg.budget_minutes)
+            and time.perf_counter() - t_run > 60 * cfg.time_limit_minutes) or spent()
         if stop:
             break
         if cfg.measure_every and step % cfg.measure_every == 0 and step < total and d.main:
