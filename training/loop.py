@@ -265,7 +265,8 @@ def train(cfg: TrainConfig, resume: str | os.PathLike | None = None) -> Path | N
     total = (cfg.max_steps if cfg.max_steps is not None
              else math.ceil(cfg.epochs * order.per_epoch / cfg.grad_accum))
     t_run = time.perf_counter()
-    before = ckpt_io.load_state(ckpt).get("trained_seconds", 0.0) if ckpt is not None else 0.0
+    state = ckpt_io.load_state(ckpt) if ckpt is not None else {}  # read once: optimizer and all
+    before = state.get("trained_seconds", 0.0)
 
     def trained() -> float:  # seconds of this run over all its invocations
         return before + time.perf_counter() - t_run
@@ -276,11 +277,11 @@ def train(cfg: TrainConfig, resume: str | os.PathLike | None = None) -> Path | N
         optimizer, lr_lambda(warmup, total, cfg.schedule, cfg.decay_fraction, clock))
     data_fp, step = fingerprint(train_seqs), 0
     if ckpt is not None:
-        step = resume_from(ckpt, head, optimizer, scheduler, data_fp)
+        step = resume_from(ckpt, state, head, optimizer, scheduler, data_fp)
         if cfg.budget_minutes is not None and d.main:
             print(f"[treedraft] resuming at step {step}: {before / 60:.2f} of "
                   f"{cfg.budget_minutes} budgeted minutes trained", flush=True)
-        order = DataOrder(len(train_seqs), cfg, d, ckpt_io.load_state(ckpt)["position"],
+        order = DataOrder(len(train_seqs), cfg, d, state["position"],
                           lengths=lengths)
     model = objective if d.world == 1 else wrap_ddp(objective)
     log = RunLog(out / "train_log.jsonl", d.main, truncate_after=step)
@@ -452,11 +453,11 @@ def make_batches(cfg: TrainConfig, model, head, seqs: list[Seq], out: Path | Non
     return lambda idx: source([seqs[i] for i in idx])
 
 
-def resume_from(ckpt: Path, head, optimizer, scheduler, data_fp: str) -> int:
-    """Load head weights, optimizer, scheduler and RNG states; return the step."""
+def resume_from(ckpt: Path, state: dict, head, optimizer, scheduler, data_fp: str) -> int:
+    """Load head weights (from `ckpt`), optimizer, scheduler and RNG states (from its `state`,
+    `ckpt_io.load_state`); return the step."""
     from treedraft.heads.common import load_head
 
-    state = ckpt_io.load_state(ckpt)
     if state["data_fingerprint"] != data_fp:
         raise ValueError(
             f"--resume {ckpt}: the training data differs from the checkpoint's (fingerprint "
