@@ -47,18 +47,28 @@ class LookupIndex:
         self.tokens: list[int] = []
         # (n-gram) -> positions p where tokens[p-n:p] == n-gram, ascending (p = continuation start)
         self._ends: dict[tuple[int, ...], list[int]] = {}
+        self._match = 0  # match_length of the history as it is (noted by `extend`)
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def extend(self, tokens: Sequence[int]) -> None:
-        """Append tokens to the history and index the n-grams that end at each of them."""
-        toks = self.tokens
+        """Append tokens to the history and index the n-grams that end at each of them (and
+        note the last one's match length on the way: `match_length` is then O(1))."""
+        toks, ends, match = self.tokens, self._ends, self._match
         for t in tokens:
             toks.append(int(t))
             end = len(toks)
+            match = 0
             for n in range(self.min_n, min(self.max_n, end) + 1):
-                self._ends.setdefault(tuple(toks[end - n:end]), []).append(end)
+                key = tuple(toks[end - n:end])
+                seen = ends.get(key)
+                if seen is None:
+                    ends[key] = [end]
+                else:  # occurred before, ending earlier: a continuation follows it
+                    match = n if n < end else match
+                    seen.append(end)
+        self._match = match
 
     def sync(self, history: Sequence[int]) -> None:
         """Make the indexed history equal `history` (new tokens appended; a history that is not
@@ -66,19 +76,15 @@ class LookupIndex:
         n = len(self.tokens)
         if len(history) < n or (n and (history[n - 1] != self.tokens[-1]
                                        or history[0] != self.tokens[0])):
-            self.tokens, self._ends = [], {}
+            self.tokens, self._ends, self._match = [], {}, 0
             n = 0
-        self.extend(history[n:])
+        new = history[n:]
+        self.extend(new.tolist() if hasattr(new, "tolist") else new)  # numpy: ints at once
 
     def match_length(self) -> int:
         """The longest n (min_n..max_n) whose last n tokens occurred earlier in the history with
         a continuation: what `propose`'s best chain is matched on; 0 when it has none."""
-        toks, L = self.tokens, len(self.tokens)
-        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
-            ends = self._ends.get(tuple(toks[L - n:]), ())
-            if len(ends) > 1 or (ends and ends[-1] < L):
-                return n
-        return 0
+        return self._match
 
     def propose(self, budget: int, max_depth: int = MAX_TREE_DEPTH,
                 max_candidates: int = 8) -> list[list[int]]:

@@ -309,6 +309,7 @@ class TreeDraftProposer:
         self.chain_q: dict[str, torch.Tensor] = {}  # q [K, V] of the sampled chains in `trees`
         self.lookups: dict[str, LookupIndex] = {}  # per request, its token history indexed
         self._info: dict[str, tuple[bool, object]] = {}  # per request, `_request_info`
+        self._known: set[str] = set()  # requests any of the per-request dicts may hold
         self.sources: dict[str, torch.Tensor] = {}  # per request, HEAD/LOOKUP bits of its tree
         self.source_stats = None  # accepted tokens by source -> the frontend (tree mode)
         if self.tree_mode and _tp_rank0():
@@ -379,7 +380,10 @@ class TreeDraftProposer:
 
     def _lookup_index(self, ib, i: int, req_id: str) -> LookupIndex:
         """The request's lookup index, synced with its token history (a view: O(new tokens))."""
-        index = self.lookups.setdefault(req_id, LookupIndex())
+        index = self.lookups.get(req_id)
+        if index is None:
+            index = self.lookups[req_id] = LookupIndex()
+            self._known.add(req_id)
         index.sync(ib.token_ids_cpu[i, : ib.num_tokens_no_spec[i]])
         return index
 
@@ -411,11 +415,10 @@ class TreeDraftProposer:
         # the token budget, or preempted) and drops it when it finishes: so do we. A request
         # left out of this batch keeps its session and tree; a preempted one rewinds its session
         # to what vLLM recomputes (`_add_pairs`), so its head context is rebuilt, not lost.
-        live = set(runner.requests)
         if accepted and self.source_stats is not None:
             self._count_sources(accepted)
-        held = {*self.sessions, *self.lookups, *self.trees, *self._info}
-        for gone in [r for r in held if r not in live]:
+        for gone in self._known - runner.requests.keys():
+            self._known.discard(gone)
             self.sessions.pop(gone, None)  # finished
             self.lookups.pop(gone, None)
             self.trees.pop(gone, None)
@@ -430,23 +433,22 @@ class TreeDraftProposer:
         # 1. every request's known pairs wait for its head session (PendingPairs); the sessions
         # of the requests that draft this step read theirs in one packed head forward (below)
         work = []  # work: (i, req_id, sampled, session) of scheduled requests
-        own = {}  # req_id -> pairs this step adds (the rest of a commit catches up)
-        rows = []  # (i, req_id, computed tokens, scheduled rows) of this step's known pairs
+        scheduled = scheduler_output.num_scheduled_tokens
+        sessions = self.sessions
         for i, req_id in enumerate(ib.req_ids):
-            n = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            n = scheduled.get(req_id, 0)
             if n == 0:
                 continue
             session = None
             if self.head is not None:
-                session = self.sessions.get(req_id)
+                session = sessions.get(req_id)
                 if session is None:
-                    session = self.sessions[req_id] = self.head.draft_session()
-                rows.append(self._pair_rows(runner, scheduler_output, i, req_id, n,
-                                            sampled_token_ids[i], accepted))
-                own[req_id] = len(rows[-1][3])
+                    session = sessions[req_id] = self.head.draft_session()
+                    self._known.add(req_id)
             work.append((i, req_id, sampled_token_ids[i], session))
-        if rows:
-            self._add_pairs(runner, rows, hidden_states, aux_hidden_states)
+        # req_id -> pairs this step adds (the rest of a commit catches up)
+        own = (self._record_pairs(runner, scheduler_output, work, accepted, hidden_states,
+                                  aux_hidden_states) if self.head is not None and work else {})
         # 2. drafts: sampled chains of all requests in lockstep (heads.sampling.draft_chains);
         # trees (and greedy chains) of all requests together, a tree level of every request in
         # one head forward (heads.lookup.draft_hybrids)
@@ -476,11 +478,16 @@ class TreeDraftProposer:
                 # finding its matches: each index catches up when next read)
                 may = {cls: self.auto.policy.may_graft(LOOKUP_MATCHES, cls, n)
                        for cls in {req_id in sampling for _, req_id, *_ in eligible}}
+                said = {}  # (match, class) -> graft's answer: one per step for each
                 for i, req_id, _, _ in eligible:
-                    if not may[req_id in sampling]:
+                    cls = req_id in sampling
+                    if not may[cls]:
                         continue
                     match = self._lookup_index(ib, i, req_id).match_length()
-                    if self.auto.policy.graft(match, req_id in sampling, n):
+                    yes = said.get((match, cls))
+                    if yes is None:
+                        yes = said[(match, cls)] = self.auto.policy.graft(match, cls, n)
+                    if yes:
                         grafts[req_id] = match
                 if not n:  # lookup alone: only the requests that graft draft
                     eligible = [e for e in eligible if e[1] in grafts]
@@ -524,12 +531,13 @@ class TreeDraftProposer:
                 total = sum(len(item[2]) for _, item in flushed)
                 mine = sum(own[req_id] for req_id, _ in flushed)
                 catch_up = (time.perf_counter() - t_drafting) * max(total - mine, 0) / total
-        drafted_now = {req_id for _, req_id, *_ in eligible}
-        for _, req_id, *_ in work:
-            self.chain_q.pop(req_id, None)  # drafted again below, or not at all
-            if req_id not in drafted_now:
-                self.trees.pop(req_id, None)
-                self.sources.pop(req_id, None)
+        if self.trees or self.chain_q or self.sources:
+            drafted_now = {req_id for _, req_id, *_ in eligible}
+            for _, req_id, *_ in work:
+                self.chain_q.pop(req_id, None)  # drafted again below, or not at all
+                if req_id not in drafted_now:
+                    self.trees.pop(req_id, None)
+                    self.sources.pop(req_id, None)
         # sampled requests draft chains from q where this step's trees are chains, and under
         # auto wherever they graft no lookup: n nodes as one chain drawn from q (as deep as the
         # head's tree at most) accept more at T > 0 than the head's n-node top-k tree (bench,
@@ -567,8 +575,10 @@ class TreeDraftProposer:
         if self.auto is not None:
             heads, grafted = {}, {}
             for i, d in enumerate(drafts):
+                if not d:  # drafts nothing (a graft has lookup nodes: drafts)
+                    continue
                 req_id = ib.req_ids[i]
-                src = self.sources.get(req_id) if d else None
+                src = self.sources.get(req_id)
                 bits = src[1 : len(d) + 1] if src is not None else None
                 head = len(d) if bits is None else int(((bits & HEAD) != 0).sum())
                 if head:
@@ -595,41 +605,62 @@ class TreeDraftProposer:
                 total[k] += v
         self.source_stats.add(total)
 
-    def _pair_rows(self, runner, scheduler_output, i: int, req_id: str, n: int, sampled,
-                   accepted) -> tuple[int, str, int, list[int]]:
-        """(i, req_id, vLLM's computed tokens, rows): the scheduled rows whose features and
-        next tokens are this step's known pairs of one request."""
+    def _record_pairs(self, runner, scheduler_output, work, accepted, hidden_states,
+                      aux_hidden_states) -> dict[str, int]:
+        """Every scheduled request's known pairs (features of a scheduled row, the token after
+        it) from vLLM's computed tokens on, added to its pending pairs; returns req_id -> pairs
+        added. Rows of a request: root + accepted nodes of its tree (tree step), else its first
+        n - drafts - 1 + sampled rows (all of a prefill chunk; root + accepted drafts of a
+        chain). One gather of the features and one of the tokens for the whole step, row
+        indices computed with numpy (per request in Python this was ~0.35 ms a step at batch
+        16, on steps that draft nothing: `"tree": "auto"`'s bookkeeping). Decode steps hand out
+        views of the step's tensor; a step with a prefill chunk copies each request's part, so
+        that a long chunk is not kept alive by the one-row views of the requests decoding
+        beside it."""
         ib = runner.input_batch
-        qs, c = int(runner.query_start_loc.np[i]), int(ib.num_computed_tokens_cpu[i])
-        nodes = (accepted or {}).get(req_id)
-        if nodes is not None:  # tree step: root row + accepted nodes' rows
-            return i, req_id, c, [qs] + [qs + a for a in nodes]
-        num_drafts = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
-        m = n - num_drafts - 1 + len(sampled) if sampled else n
-        return i, req_id, c, list(range(qs, qs + m))
-
-    def _add_pairs(self, runner, rows, hidden_states, aux_hidden_states) -> None:
-        """Every scheduled request's known pairs (features, next tokens) from vLLM's computed
-        tokens on, added to its pending pairs: one gather of the features and one of the tokens
-        for the whole step (per request they were ~75 us each, ~2.5 ms a step at batch 32).
-        Decode steps hand out views of the step's tensor; a step with a prefill chunk copies
-        each request's part, so that a long chunk is not kept alive by the one-row views of the
-        requests decoding beside it."""
-        counts = [len(r) for *_, r in rows]
-        flat = [x for *_, r in rows for x in r]
-        feats = self.features(hidden_states, aux_hidden_states,
-                              torch.tensor(flat, device=hidden_states.device))
-        ii = np.repeat([i for i, *_ in rows], counts)
-        cc = np.concatenate([np.arange(c + 1, c + 1 + k) for (_, _, c, _), k
-                             in zip(rows, counts, strict=True)])
-        ids = runner.input_batch.token_ids_cpu  # [max_num_reqs, max_model_len]
-        # a pair at the last position of max_model_len has no next token: the request ends there
-        tokens = torch.from_numpy(ids[ii, np.minimum(cc, ids.shape[1] - 1)]).long()
-        copy = len(flat) > 2 * len(rows)  # a prefill chunk in this step
-        for (_, req_id, c, _), f, t in zip(rows, feats.split(counts), tokens.split(counts),
-                                          strict=True):
-            self.pending.setdefault(req_id, PendingPairs()).add(
-                c, f.clone() if copy else f, t.clone() if copy else t)
+        idx = np.fromiter((i for i, *_ in work), dtype=np.int64, count=len(work))
+        qs = runner.query_start_loc.np[idx].astype(np.int64)
+        c = ib.num_computed_tokens_cpu[idx].astype(np.int64)
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        scheduled = scheduler_output.num_scheduled_tokens
+        trees = accepted or {}
+        if spec or trees:
+            m = np.fromiter(
+                (len(trees[r]) + 1 if r in trees else
+                 scheduled[r] - len(spec.get(r, ())) - 1 + len(s) if s else scheduled[r]
+                 for _, r, s, _ in work), dtype=np.int64, count=len(work))
+        else:  # no drafts scheduled: every row of every request
+            m = np.fromiter((scheduled[r] for _, r, *_ in work), dtype=np.int64, count=len(work))
+        total = int(m.sum())
+        first = np.cumsum(m) - m  # each request's first pair in the flat order
+        offset = np.arange(total) - np.repeat(first, m)  # a pair's index within its request
+        rows = np.repeat(qs, m) + offset
+        if trees:  # tree steps: root + the accepted nodes' rows, not the first rows
+            for j, (_, r, *_) in enumerate(work):
+                if r in trees:
+                    rows[first[j] + 1 : first[j] + m[j]] = qs[j] + np.asarray(trees[r])
+        if total and rows[0] == 0 and rows[-1] == total - 1 and (
+                total == 1 or bool((np.diff(rows) == 1).all())):
+            feats = self.features(hidden_states, aux_hidden_states, slice(0, total))
+        else:
+            feats = self.features(hidden_states, aux_hidden_states,
+                                  torch.from_numpy(rows).to(hidden_states.device))
+        ids = ib.token_ids_cpu  # [max_num_reqs, max_model_len]
+        # the pair at position c predicts token c+1; a pair at the last position of
+        # max_model_len has no next token: the request ends there
+        cols = np.minimum(np.repeat(c + 1, m) + offset, ids.shape[1] - 1)
+        tokens = torch.from_numpy(ids[np.repeat(idx, m), cols]).long()
+        copy = total > 2 * len(work)  # a prefill chunk in this step
+        counts = m.tolist()
+        own, pending = {}, self.pending
+        for (_, req_id, *_), pos, f, t, k in zip(work, c.tolist(), feats.split(counts),
+                                                 tokens.split(counts), counts, strict=True):
+            p = pending.get(req_id)
+            if p is None:
+                p = pending[req_id] = PendingPairs()
+            p.add(pos, f.clone() if copy else f, t.clone() if copy else t)
+            own[req_id] = k
+        return own
 
     def _request_info(self, runner, req_id: str) -> tuple[bool, object]:
         """(trees cannot honour its parameters, its heads SamplingParams when it samples (T > 0)
@@ -639,6 +670,7 @@ class TreeDraftProposer:
             from .sampler import heads_params
 
             params = heads_params(runner.requests[req_id].sampling_params)
+            self._known.add(req_id)
             info = self._info[req_id] = (bool(request_unsupported(runner, req_id)),
                                          None if params.greedy else params)
         return info

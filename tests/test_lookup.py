@@ -49,6 +49,27 @@ def test_longest_match_first_then_count_then_recency():
     assert LookupIndex().match_length() == 0
 
 
+def test_match_length_noted_by_extend_is_the_longest_earlier_suffix_match():
+    """`extend` notes the match length as it indexes; it must equal the definition (the longest
+    n in min_n..max_n whose last n tokens occurred earlier), after every token, across syncs
+    and a re-index, for min_n > 1 too."""
+    def longest(hist, lo, hi):
+        return max((n for n in range(lo, min(hi, len(hist) - 1) + 1)
+                    if any(hist[p - n:p] == hist[-n:] for p in range(n, len(hist)))), default=0)
+
+    hist = torch.randint(0, 4, (160,), generator=torch.Generator().manual_seed(1)).tolist()
+    for lo, hi in ((1, 4), (2, 3)):
+        idx = LookupIndex(min_n=lo, max_n=hi)
+        seen = set()
+        for i in range(1, len(hist) + 1):
+            idx.sync(hist[:i])
+            assert idx.match_length() == longest(hist[:i], lo, hi), (lo, hi, i)
+            seen.add(idx.match_length())
+        assert seen == {0, *range(lo, hi + 1)}  # every answer occurred: the test can fail
+        idx.sync([3, 3, 1])  # not an extension: re-indexed from scratch
+        assert idx.match_length() == longest([3, 3, 1], lo, hi)
+
+
 def test_incremental_index_equals_whole_history_and_resyncs():
     hist = torch.randint(0, 6, (300,), generator=torch.Generator().manual_seed(0)).tolist()
     whole = LookupIndex()
