@@ -23,7 +23,7 @@ from treedraft.heads.common import (
     load_head,
     tokenizer_fingerprint,
 )
-from treedraft.heads.eagle import EagleConfig, EagleHead
+from treedraft.heads.eagle import EagleConfig, EagleHead, one_query_attention
 from treedraft.heads.medusa import MedusaConfig, MedusaHeads
 from treedraft.heads.tree import draft_tree, parse_tree_spec
 
@@ -496,3 +496,22 @@ def test_pending_pairs_commit_lazily_what_eager_commits_make():
     assert not full.full
     full.add(9, h[9:14], tok[9:14])
     assert full.full and len(full) == 14  # nothing dropped: the caller flushes it
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_one_query_attention_equals_sdpa_with_repeated_kv_heads(masked):
+    """The sessions' one-query path (grouped matmuls) computes what SDPA over repeated K/V
+    heads computes: head h reads kv head h // groups, the mask drops the keys it says."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 6, 1, 16, generator=g)
+    k, v = torch.randn(1, 2, 11, 16, generator=g), torch.randn(1, 2, 11, 16, generator=g)
+    mask = (torch.rand(1, 11, generator=g) > 0.4) if masked else None
+    if masked:
+        mask[0, -1] = True
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1),
+        attn_mask=None if mask is None else mask[None, None])
+    got = one_query_attention(q, k, v, mask)
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5)
+    # a kv head read by the wrong query heads would differ: swap the kv heads to see it
+    assert not torch.allclose(one_query_attention(q, k.flip(1), v.flip(1), mask), want, atol=1e-3)
