@@ -310,7 +310,7 @@ TRUST_ROWS = 16
 
 def best_budget(model: StepCostModel, batch: int, lengths: dict[int, float],
                 margin: float = 0.0, current: int | None = None, hysteresis: float = 0.0,
-                trust: float | None = None) -> int:
+                trust: float | None = None, measured: dict[int, float] | None = None) -> int:
     """The budget in `lengths` with the most expected tokens per second for `batch` decoding
     requests (ties: the smaller budget); 0 until the model knows what drafting costs, and 0
     unless drafting is expected to beat no drafting by more than `margin` (x100 %). `current`
@@ -320,14 +320,30 @@ def best_budget(model: StepCostModel, batch: int, lengths: dict[int, float],
     rows a measured step verified) rows are considered, so a fit is never extrapolated far (one
     request's one-node exploration priced a row at ~0 against noisy start-up steps and auto
     drafted 60 nodes for each of 16 requests, ~1,000 rows in one step, session 31); the budgets
-    beyond are reached as explorations and choices measure more rows."""
+    beyond are reached as explorations and choices measure more rows.
+    `measured`: budget -> seconds of a step at this batch measured where every request drafted
+    that budget (`BudgetPolicy.measured`); they replace the fit's prediction there (a linear
+    price per row and per drafted node misses what a tree's shape costs: at batch 1 on a 2-core
+    CPU two more head nodes cost ~5 ms, and `auto` drafted 4 nodes where 2 paid ~9 % more,
+    session 31)."""
     if model.fit() is None or batch <= 0 or not model.knows_drafting:
         return 0
+    measured = measured or {}
     if trust is not None:
         cap = max(batch, TRUST_ROWS, trust * model.max_verified)
-        lengths = {n: e for n, e in lengths.items() if n == 0 or batch * n <= cap}
+        lengths = {n: e for n, e in lengths.items()
+                   if n == 0 or batch * n <= cap or n in measured}
     predict = model.predictor()
-    rate = {n: step_rate(model, batch, lengths, n, predict) for n in lengths}.__getitem__
+    rate = {n: step_rate(model, batch, lengths, n, predict) for n in lengths}
+    if measured:  # measured budgets at what they cost; the others at the fit's price scaled
+        # as the nearest measured budget below (else above) came out against the fit
+        scale = {m: measured[m] * rate[m] / (batch * lengths[m]) for m in measured if m in rate}
+        for n in rate:
+            near = max((m for m in scale if m <= n), default=None)
+            near = min(scale, default=None) if near is None else near
+            if near is not None and n:
+                rate[n] /= scale[near]
+    rate = rate.__getitem__
     best = max(sorted(lengths), key=lambda n: (rate(n), -n))
     if current in lengths and (1.0 + hysteresis) * rate(current) >= rate(best):
         best = current
@@ -463,6 +479,10 @@ class BudgetPolicy:
     # x1.05 and kept down to x0.85, grafts made `auto` 0.967x no-spec where it was 0.988x
     # without lookup, in a queue of 48 MT-bench first turns, session 30)
     LOOKUP_TAKE, LOOKUP_KEEP = 1.25, 1.05
+    # a budget's step cost measured at a batch size (`measured_step`) replaces the fit's price
+    # there once MEASURED_MIN steps were measured; each measurement fades by MEASURED_DECAY per
+    # later one of the same (batch, budget) (step times drift slowly: ~10 steps of memory)
+    MEASURED_MIN, MEASURED_DECAY = 4, 0.9
 
     def __init__(self, lengths: dict[int, float], lookup: bool = False) -> None:
         self.table = dict(lengths)  # E(n) of the head's rate table
@@ -480,6 +500,8 @@ class BudgetPolicy:
         self._bar = None  # (seconds per verified row, tokens per second) of the planned step
         self._grafting: set[int] = set()  # match lengths grafted now
         self._lengths = None  # (key, lengths()) of the last call
+        # (batch, budget) -> [decayed seconds, decayed steps, steps] measured (`measured_step`)
+        self._measured: dict[tuple[int, int], list[float]] = {}
 
     @property
     def choice(self) -> int:
@@ -543,7 +565,24 @@ class BudgetPolicy:
 
     def best(self, batch: int, lengths: dict[int, float] | None = None) -> int:
         return best_budget(self.model, batch, lengths or self.lengths(), self.MARGIN,
-                           self._choice, self.HYSTERESIS, self.TRUST)
+                           self._choice, self.HYSTERESIS, self.TRUST, self.measured(batch))
+
+    def measured_step(self, batch: int, budget: int, seconds: float) -> None:
+        """A step of `batch` decoding requests verified `budget` head nodes each (budget >= 1,
+        all of them; any lookup rows priced out by the caller) and drafted for the next: in
+        `seconds`, its drafting counted as if it drafted `budget` again (what a step costs where
+        that budget is kept)."""
+        if budget < 1 or batch < 1 or seconds <= 0:
+            return
+        m = self._measured.setdefault((batch, budget), [0.0, 0.0, 0])
+        d = self.MEASURED_DECAY
+        m[0], m[1], m[2] = d * m[0] + seconds, d * m[1] + 1.0, m[2] + 1
+
+    def measured(self, batch: int) -> dict[int, float]:
+        """budget -> seconds of a step at `batch` decoding requests that each verify and draft
+        that budget, for the budgets measured MEASURED_MIN times or more at that batch."""
+        return {n: m[0] / m[1] for (b, n), m in self._measured.items()
+                if b == batch and m[2] >= self.MEASURED_MIN}
 
     def choose(self, batch: int, sampled: int = 0) -> tuple[int, bool]:
         """(budget, explored) for a step with `batch` drafting requests, `sampled` of them

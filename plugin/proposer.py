@@ -96,12 +96,22 @@ class AutoBudget:
     engine's steps: their wall time, rows by kind (scheduler_output) and what the drafts of the
     step before earned. Logs its choices (rank 0, at most every 10 s while they change)."""
 
-    def __init__(self, spec) -> None:
+    # budgets up to this many head nodes draft a chain of the head's top tokens, larger ones
+    # the head's tree: on a 2-core CPU a branching tree's rows cost more than they earn at small
+    # budgets (batch 1, T=0, MT-bench x 256, with lookup:4: dynamic:3,3,3 0.864x and chain:3
+    # 0.978x of chain:2; dynamic:2,2,2 0.961x; session 32), and `auto` chose 3-4-node trees
+    # most of the time. Sampled requests draw chains from q at any budget (`auto_chain_depth`).
+    CHAIN_MAX = 4
+
+    def __init__(self, spec, chain_max: int = CHAIN_MAX) -> None:
         from treedraft.heads.cost import BudgetPolicy
 
         self.spec = spec
+        self.chain_max = chain_max  # a head that drafts shallower (Medusa) lowers it
         self.policy = BudgetPolicy({0: 1.0, spec.head_nodes: 1.0}, lookup=bool(spec.lookup))
         self._start: float | None = None  # when this step's execute_model began
+        self._last_drafting = 0.0  # seconds of the last step's drafting phase
+        self._last_prefill = False  # the last step scheduled prefill rows
         self._last_end: float | None = None
         self._gaps: deque[float] = deque(maxlen=32)
         self._drafted: dict[str, int] = {}  # req_id -> head nodes drafted for it last step
@@ -129,8 +139,12 @@ class AutoBudget:
         from treedraft.heads.cost import BudgetPolicy, expected_lengths
         from treedraft.heads.tree import DEFAULT_ACCEPTANCE_RATES
 
-        table = expected_lengths(rates or DEFAULT_ACCEPTANCE_RATES, self.spec.head_nodes,
-                                 chain=self.spec.head_spec.is_chain)
+        rates = rates or DEFAULT_ACCEPTANCE_RATES
+        chain = self.spec.head_spec.is_chain
+        table = expected_lengths(rates, self.spec.head_nodes, chain=chain)
+        if not chain:  # budgets up to chain_max draft chains (`TreeDraftProposer.spec_for`)
+            short = expected_lengths(rates, min(self.chain_max, self.spec.head_nodes), chain=True)
+            table.update({n: e for n, e in short.items() if n <= self.chain_max})
         self.policy = BudgetPolicy(table, lookup=bool(self.spec.lookup))
 
     def observe(self, sampled: dict[str, int], accepted: dict | None = None,
@@ -200,12 +214,15 @@ class AutoBudget:
                 "x%.2f, sampled x%.2f; per nodes drafted: greedy %s, sampled %s); step ~ %.1f "
                 "ms + %.2f ms/decode row + %.2f ms/prefill row + %.2f ms/verified draft + %.2f "
                 "ms/drafted node + %.2f ms/verifying request; %d steps measured, %d explored, "
-                "%d positions checked teacher-forced; so far: %s)",
+                "%d positions checked teacher-forced; step ms measured at this batch by head "
+                "nodes: %s; so far: %s)",
                 batch, sampled, n, self._lookup_said(), self.policy.lengths()[n],
                 self.policy.kappa(), *(a.kappa for a in self.policy.acceptance),
                 *(a.said() for a in self.policy.acceptance),
                 *(1e3 * c for c in coef), len(self.policy.model.samples), self.explorations,
-                self.teacher_checks, self.tally())
+                self.teacher_checks, " ".join(
+                    f"{k}:{1e3 * v:.1f}" for k, v in sorted(self.policy.measured(batch).items())
+                ) or "-", self.tally())
             self._logged, self._log_at = (batch, n), now
         return n, self.policy.explorers(batch, explored)
 
@@ -265,9 +282,25 @@ class AutoBudget:
                 prefill += n - v
         if self._start is not None:
             gap = statistics.median(self._gaps) if self._gaps else 0.0
-            self.policy.step_done(now - self._start + gap - catch_up, decode, prefill, verified,
+            seconds = now - self._start + gap - catch_up
+            self.policy.step_done(seconds, decode, prefill, verified,
                                   sum(drafted.values()), drafting if drafted else None,
                                   len(drafted), verifying)
+            # a decode step whose requests all verified the same head budget n (each drafted n
+            # head nodes last step) measures what a step at n costs: its own drafting swapped
+            # for last step's (an exploration's next step drafts another budget), the rows of
+            # last step's lookup-only nodes priced out at the fit's price of a verified row
+            # (not after a prefill step: its drafting phase committed a whole prompt chunk)
+            prev = self._drafted
+            budgets = set(prev.values())
+            if (not prefill and not self._last_prefill and len(budgets) == 1
+                    and len(prev) == decode
+                    and prev.keys() == scheduler_output.num_scheduled_tokens.keys()):
+                looked = sum(nodes for _, nodes in self._grafted.values())
+                self.policy.measured_step(
+                    decode, budgets.pop(), seconds - (drafting or 0.0) + self._last_drafting
+                    - looked * self.policy.model.coefficients[3])
+        self._last_drafting, self._last_prefill = drafting or 0.0, prefill > 0
         self._start, self._last_end = None, now
         self._drafted, self._grafted = drafted, grafted or {}
         self._sampling = sampling or set()
@@ -337,6 +370,7 @@ class TreeDraftProposer:
         self.head = head
         self.rates = head.tree_rates()
         if self.auto is not None:
+            self.auto.chain_max = min(self.auto.chain_max, head.max_draft_depth or MAX_TREE_DEPTH)
             self.auto.set_rates(self.rates)
 
     def propose(self, *args, **kwargs):
@@ -366,13 +400,16 @@ class TreeDraftProposer:
     def spec_for(self, budget: int):
         """The spec to draft with when at most `budget` nodes will be scheduled: chains are
         drafted that deep; other trees are drafted whole and cut to their first nodes, except
-        under "auto", which drafts a smaller tree of the same kind (no lookup part)."""
+        under "auto", which drafts a smaller tree of the same kind (no lookup part), or a chain
+        of the head's top tokens where the budget is at most `AutoBudget.chain_max`."""
         s = self.spec
         if budget >= s.max_nodes or not (s.is_chain or self.auto is not None):
             return s
         if budget not in self._smaller:
             m = min(budget, s.head_nodes)
-            text = (f"dynamic:{m},{min(s.depth, m)},{min(s.topk, m)}" if s.kind == "dynamic"
+            chain = self.auto is not None and m <= self.auto.chain_max
+            text = (f"chain:{m}" if chain
+                    else f"dynamic:{m},{min(s.depth, m)},{min(s.topk, m)}" if s.kind == "dynamic"
                     else f"chain:{min(m, MAX_TREE_DEPTH)}" if s.head_spec.is_chain
                     else f"static:{m}")
             self._smaller[budget] = parse_tree_spec(text)

@@ -551,3 +551,38 @@ def test_plain_steps_refit_the_model_every_few_steps_drafting_steps_at_once():
     now = m.fit()
     m.add(0.005 + 0.0006 * 4 + 0.0012 * 4, 4, 0, 4, 4)  # a step that drafted: at once
     assert m.fit() != now
+
+
+def test_a_measured_step_cost_replaces_the_fits_price_of_that_budget():
+    """At batch 1 on the AMD EPYC (session 31) the linear fit priced two more head nodes at ~4 ms
+    where they cost ~5 (drafting levels, branching rows), and auto drafted 4 nodes where 2 paid
+    more. Steps measured at a budget (every request verified and drafted it) now price it."""
+    lengths = expected_lengths(RATES, 16, chain=False)
+    model = fitted(0.025, 0.001, 0.0015, 0.0005)  # rows look cheap
+    policy, fresh = BudgetPolicy(lengths), BudgetPolicy(lengths)
+    policy.model = fresh.model = model
+    first = policy.best(1)
+    assert first >= 2  # the fit's choice
+    predicted = {n: model.predict(1, 0, n, n, 1, 1) for n in lengths}
+    # measured: every node beyond the first costs 2 ms more than the fit says
+    true = {n: predicted[n] + max(0, n - 1) * 0.002 for n in lengths}
+    for _ in range(BudgetPolicy.MEASURED_MIN - 1):
+        policy.measured_step(1, first, true[first])
+    assert policy.measured(1) == {} and policy.best(1) == first  # too few steps: the fit
+    policy.measured_step(1, first, true[first])
+    assert policy.measured(1) == {first: pytest.approx(true[first])}
+    for n in range(1, first):  # the budgets below, measured as explorations would
+        for _ in range(BudgetPolicy.MEASURED_MIN):
+            policy.measured_step(1, n, true[n])
+    want = max(range(1, first + 1), key=lambda n: (lengths[n] / true[n], -n))
+    assert want < first and policy.best(1) == want
+    # another batch size: nothing measured there, the fit decides
+    assert policy.measured(2) == {} and policy.best(2) == fresh.best(2)
+    # measured cheaper than the fit: drafting the fit rejects is taken, and the budget next to
+    # the measured one is priced as it came out against the fit (1: scaled like 2)
+    cheap = BudgetPolicy(lengths)
+    cheap.model = fitted(0.025, 0.001, 0.02, 0.0)  # rows look dear: nothing drafted
+    assert cheap.best(1) == 0
+    for _ in range(BudgetPolicy.MEASURED_MIN):
+        cheap.measured_step(1, 2, 0.026)
+    assert cheap.best(1) in (1, 2)

@@ -654,3 +654,79 @@ def test_auto_observes_greedy_and_sampled_requests_apart():
     assert auto.policy.lengths(1.0)[2] < 1.1
     assert auto.policy.acceptance[0].at([1, 2, 3])[3] == pytest.approx(
         auto.policy.acceptance[0].at([2])[2])
+
+
+def test_auto_measures_a_budgets_step_where_every_request_verified_it():
+    """`AutoBudget.step_done` hands the policy the cost of a step at budget n when each of its
+    decode requests verified n head nodes drafted last step: its own drafting swapped for last
+    step's, last step's lookup-only rows priced out at the fit's price of a row; not after a
+    prefill step (its drafting phase committed a prompt), nor where budgets or requests differ."""
+    import time
+    from types import SimpleNamespace
+
+    from treedraft.heads.tree import parse_tree_spec
+    from treedraft.plugin.proposer import AutoBudget
+
+    auto = AutoBudget(parse_tree_spec("dynamic:10,3,3+lookup:4"))
+    auto.set_rates(None)
+    got = []
+    auto.policy.measured_step = lambda b, n, s: got.append((b, n, s))
+
+    def step(scheduled, spec, drafted, drafting, grafted=None, pause=0.0):
+        auto.step_started()
+        time.sleep(pause)
+        t = time.perf_counter()
+        auto.step_done(SimpleNamespace(num_scheduled_tokens=scheduled,
+                                       scheduled_spec_decode_tokens=spec),
+                       drafted, drafting=drafting, grafted=grafted)
+        return time.perf_counter() - t
+
+    step({"a": 40}, {}, {"a": 2}, 0.030)  # a prefill chunk, then drafts 2 nodes
+    assert got == []
+    step({"a": 3}, {"a": [1, 2]}, {"a": 2}, 0.004)  # after a prefill: not measured
+    assert got == []
+    step({"a": 3}, {"a": [1, 2]}, {"a": 3}, 0.005, pause=0.02)  # verifies 2, drafts 3
+    assert [(b, n) for b, n, _ in got] == [(1, 2)]
+    # the step's seconds less its drafting (5 ms) plus last step's (4 ms)
+    assert 0.02 - 0.001 <= got[0][2] <= 0.02 + 0.001 + 0.01, got
+    step({"a": 4}, {"a": [1, 2, 3]}, {"a": 3}, 0.005, grafted={"a": (4, 2)})
+    step({"a": 6}, {"a": [1, 2, 3, 4, 5]}, {"a": 3}, 0.005)  # 2 lookup rows priced out
+    assert [(b, n) for b, n, _ in got] == [(1, 2), (1, 3), (1, 3)]
+    got.clear()
+    step({"a": 2, "b": 2}, {"a": [1], "b": [1]}, {"a": 1, "b": 2}, 0.005)  # a drafted 3
+    assert got == []  # (last step: only "a" drafted) not every request verified one budget
+    step({"a": 2, "b": 3}, {"a": [1], "b": [1, 2]}, {"a": 1}, 0.005)  # budgets 1 and 2 verified
+    assert got == []
+    step({"a": 2, "b": 2}, {"a": [1], "b": [1]}, {"a": 1, "b": 1}, 0.005)  # "b" drafted nothing
+    assert got == []
+    step({"a": 2, "b": 2}, {"a": [1], "b": [1]}, {}, 0.0)  # both verified one node
+    assert [(b, n) for b, n, _ in got] == [(2, 1)]
+
+
+def test_auto_drafts_chains_at_small_budgets_and_its_table_says_so():
+    """Under "auto" a budget up to `AutoBudget.CHAIN_MAX` head nodes drafts a chain (on a 2-core
+    CPU a branching tree's rows cost more than they earn there, session 32), larger ones the
+    head's tree; the expected lengths are a chain's where chains are drafted."""
+    from treedraft.heads.cost import expected_lengths
+    from treedraft.heads.tree import DEFAULT_ACCEPTANCE_RATES, parse_tree_spec
+    from treedraft.plugin.proposer import AutoBudget, TreeDraftProposer
+
+    spec = parse_tree_spec("dynamic:10,3,3+lookup:4")
+    prop = TreeDraftProposer.__new__(TreeDraftProposer)  # the spec logic alone, no engine
+    prop.spec, prop._smaller, prop.auto = spec, {}, AutoBudget(spec)
+    cap = AutoBudget.CHAIN_MAX
+    assert [prop.spec_for(n).to_string() for n in range(1, cap + 1)] == [
+        f"chain:{n}" for n in range(1, cap + 1)]
+    big = prop.spec_for(cap + 2)
+    assert big.kind == "dynamic" and big.head_nodes == cap + 2
+    assert prop.auto_spec(2, 4).lookup == 4 and not prop.auto_spec(2, 4).is_chain
+    prop.auto.set_rates(None)
+    chain = expected_lengths(DEFAULT_ACCEPTANCE_RATES, cap, chain=True)
+    tree = expected_lengths(DEFAULT_ACCEPTANCE_RATES, 10, chain=False)
+    table = prop.auto.policy.table
+    assert all(table[n] == pytest.approx(chain[n]) for n in table if 1 <= n <= cap)
+    assert table[10] == pytest.approx(tree[10]) and table[cap] < tree[cap]
+    # a head that drafts no deeper than 2 (Medusa with two heads) drafts chains up to 2
+    low = AutoBudget(spec, chain_max=2)
+    low.set_rates(None)
+    assert low.policy.table[3] == pytest.approx(tree[3])
