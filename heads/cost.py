@@ -303,6 +303,24 @@ def step_rate(model: StepCostModel, batch: int, lengths: dict[int, float], n: in
     return batch * lengths[n] / max(seconds, 1e-9)
 
 
+def budget_rates(model: StepCostModel, batch: int, lengths: dict[int, float],
+                 measured: dict[int, float] | None = None) -> dict[int, float]:
+    """Expected tokens per second of each budget in `lengths` for `batch` decoding requests
+    (`step_rate`), where `measured` (budget -> seconds of a measured step at this batch) says
+    what a budget costs: measured budgets at what they cost, the others at the fit's price
+    scaled as the nearest measured budget below (else above) came out against the fit."""
+    predict = model.predictor()
+    rate = {n: step_rate(model, batch, lengths, n, predict) for n in lengths}
+    if measured:
+        scale = {m: measured[m] * rate[m] / (batch * lengths[m]) for m in measured if m in rate}
+        for n in rate:
+            near = max((m for m in scale if m <= n), default=None)
+            near = min(scale, default=None) if near is None else near
+            if near is not None and n:
+                rate[n] /= scale[near]
+    return rate
+
+
 # rows a choice may verify whatever was measured (`best_budget`'s trust region): a wrong guess
 # of this size costs one step a few tens of ms on a 2-core CPU
 TRUST_ROWS = 16
@@ -333,17 +351,7 @@ def best_budget(model: StepCostModel, batch: int, lengths: dict[int, float],
         cap = max(batch, TRUST_ROWS, trust * model.max_verified)
         lengths = {n: e for n, e in lengths.items()
                    if n == 0 or batch * n <= cap or n in measured}
-    predict = model.predictor()
-    rate = {n: step_rate(model, batch, lengths, n, predict) for n in lengths}
-    if measured:  # measured budgets at what they cost; the others at the fit's price scaled
-        # as the nearest measured budget below (else above) came out against the fit
-        scale = {m: measured[m] * rate[m] / (batch * lengths[m]) for m in measured if m in rate}
-        for n in rate:
-            near = max((m for m in scale if m <= n), default=None)
-            near = min(scale, default=None) if near is None else near
-            if near is not None and n:
-                rate[n] /= scale[near]
-    rate = rate.__getitem__
+    rate = budget_rates(model, batch, lengths, measured).__getitem__
     best = max(sorted(lengths), key=lambda n: (rate(n), -n))
     if current in lengths and (1.0 + hysteresis) * rate(current) >= rate(best):
         best = current
@@ -483,6 +491,9 @@ class BudgetPolicy:
     # there once MEASURED_MIN steps were measured; each measurement fades by MEASURED_DECAY per
     # later one of the same (batch, budget) (step times drift slowly: ~10 steps of memory)
     MEASURED_MIN, MEASURED_DECAY = 4, 0.9
+    # a measurement not refreshed for this many steps is dropped (the machine drifts, contexts
+    # grow; a budget measured dear in a noisy spell would otherwise be priced so for good)
+    MEASURED_STALE = 512
 
     def __init__(self, lengths: dict[int, float], lookup: bool = False) -> None:
         self.table = dict(lengths)  # E(n) of the head's rate table
@@ -500,7 +511,8 @@ class BudgetPolicy:
         self._bar = None  # (seconds per verified row, tokens per second) of the planned step
         self._grafting: set[int] = set()  # match lengths grafted now
         self._lengths = None  # (key, lengths()) of the last call
-        # (batch, budget) -> [decayed seconds, decayed steps, steps] measured (`measured_step`)
+        # (batch, budget) -> [decayed seconds, decayed steps, steps, model step of the last]
+        # measured (`measured_step`)
         self._measured: dict[tuple[int, int], list[float]] = {}
 
     @property
@@ -574,15 +586,17 @@ class BudgetPolicy:
         that budget is kept)."""
         if budget < 1 or batch < 1 or seconds <= 0:
             return
-        m = self._measured.setdefault((batch, budget), [0.0, 0.0, 0])
+        m = self._measured.setdefault((batch, budget), [0.0, 0.0, 0, 0])
         d = self.MEASURED_DECAY
-        m[0], m[1], m[2] = d * m[0] + seconds, d * m[1] + 1.0, m[2] + 1
+        m[0], m[1], m[2], m[3] = d * m[0] + seconds, d * m[1] + 1.0, m[2] + 1, self.model.steps
 
     def measured(self, batch: int) -> dict[int, float]:
         """budget -> seconds of a step at `batch` decoding requests that each verify and draft
         that budget, for the budgets measured MEASURED_MIN times or more at that batch."""
+        now = self.model.steps
         return {n: m[0] / m[1] for (b, n), m in self._measured.items()
-                if b == batch and m[2] >= self.MEASURED_MIN}
+                if b == batch and m[2] >= self.MEASURED_MIN
+                and now - m[3] <= self.MEASURED_STALE}
 
     def choose(self, batch: int, sampled: int = 0) -> tuple[int, bool]:
         """(budget, explored) for a step with `batch` drafting requests, `sampled` of them
@@ -600,7 +614,9 @@ class BudgetPolicy:
                 value.step()
             coef = self.model.fit()
             if coef is not None and self.model.knows_verifying:
-                self._bar = (coef[3], coef[5], step_rate(self.model, batch, lengths, n))
+                self._bar = (coef[3], coef[5],
+                             budget_rates(self.model, batch, {n: lengths[n]},
+                                          self.measured(batch))[n])
         up = [b for b in self.table if b > n]
         down = [b for b in self.table if b < n]
         if self._since < self.interval or not (up or down):

@@ -291,11 +291,15 @@ class AutoBudget:
             # for last step's (an exploration's next step drafts another budget), the rows of
             # last step's lookup-only nodes priced out at the fit's price of a verified row
             # (not after a prefill step: its drafting phase committed a whole prompt chunk)
+            # (and only if vLLM scheduled every node drafted: it may cut drafts to fit its token
+            # budget or max_model_len)
             prev = self._drafted
             budgets = set(prev.values())
             if (not prefill and not self._last_prefill and len(budgets) == 1
                     and len(prev) == decode
-                    and prev.keys() == scheduler_output.num_scheduled_tokens.keys()):
+                    and prev.keys() == scheduler_output.num_scheduled_tokens.keys()
+                    and all(len(spec.get(r, ())) == n + self._grafted.get(r, (0, 0))[1]
+                            for r, n in prev.items())):
                 looked = sum(nodes for _, nodes in self._grafted.values())
                 self.policy.measured_step(
                     decode, budgets.pop(), seconds - (drafting or 0.0) + self._last_drafting
@@ -403,11 +407,11 @@ class TreeDraftProposer:
         under "auto", which drafts a smaller tree of the same kind (no lookup part), or a chain
         of the head's top tokens where the budget is at most `AutoBudget.chain_max`."""
         s = self.spec
-        if budget >= s.max_nodes or not (s.is_chain or self.auto is not None):
+        m = min(budget, s.head_nodes)
+        chain = self.auto is not None and 0 < m <= self.auto.chain_max
+        if not chain and (budget >= s.max_nodes or not (s.is_chain or self.auto is not None)):
             return s
         if budget not in self._smaller:
-            m = min(budget, s.head_nodes)
-            chain = self.auto is not None and m <= self.auto.chain_max
             text = (f"chain:{m}" if chain
                     else f"dynamic:{m},{min(s.depth, m)},{min(s.topk, m)}" if s.kind == "dynamic"
                     else f"chain:{min(m, MAX_TREE_DEPTH)}" if s.head_spec.is_chain

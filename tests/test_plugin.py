@@ -664,6 +664,7 @@ def test_auto_measures_a_budgets_step_where_every_request_verified_it():
     import time
     from types import SimpleNamespace
 
+    from treedraft.heads.cost import StepCostModel
     from treedraft.heads.tree import parse_tree_spec
     from treedraft.plugin.proposer import AutoBudget
 
@@ -671,6 +672,14 @@ def test_auto_measures_a_budgets_step_where_every_request_verified_it():
     auto.set_rates(None)
     got = []
     auto.policy.measured_step = lambda b, n, s: got.append((b, n, s))
+    model = StepCostModel()  # a verified row costs 10 ms (what lookup rows are priced out at)
+    for dec, ver in [(1, 0), (8, 0), (4, 3), (32, 30), (2, 1), (16, 16), (9, 8), (40, 3),
+                     (12, 0), (64, 48), (24, 0), (3, 2), (5, 5)]:
+        model.add(0.005 + 0.001 * dec + 0.010 * ver, dec, 0, ver, 0)
+    auto.policy.model = model
+    auto.policy.step_done = lambda *a, **k: None  # the fit stays as fed (this tests the caller)
+    c = model.coefficients[3]
+    assert c == pytest.approx(0.010, rel=0.05)
 
     def step(scheduled, spec, drafted, drafting, grafted=None, pause=0.0):
         auto.step_started()
@@ -692,6 +701,9 @@ def test_auto_measures_a_budgets_step_where_every_request_verified_it():
     step({"a": 4}, {"a": [1, 2, 3]}, {"a": 3}, 0.005, grafted={"a": (4, 2)})
     step({"a": 6}, {"a": [1, 2, 3, 4, 5]}, {"a": 3}, 0.005)  # 2 lookup rows priced out
     assert [(b, n) for b, n, _ in got] == [(1, 2), (1, 3), (1, 3)]
+    assert got[2][2] == pytest.approx(got[1][2] - 2 * c, abs=0.004), got
+    step({"a": 3}, {"a": [1, 2]}, {"a": 3}, 0.005)  # vLLM cut the 3 drafts to 2: not measured
+    assert len(got) == 3
     got.clear()
     step({"a": 2, "b": 2}, {"a": [1], "b": [1]}, {"a": 1, "b": 2}, 0.005)  # a drafted 3
     assert got == []  # (last step: only "a" drafted) not every request verified one budget
@@ -720,6 +732,11 @@ def test_auto_drafts_chains_at_small_budgets_and_its_table_says_so():
     big = prop.spec_for(cap + 2)
     assert big.kind == "dynamic" and big.head_nodes == cap + 2
     assert prop.auto_spec(2, 4).lookup == 4 and not prop.auto_spec(2, 4).is_chain
+    # a spec with few head nodes: its whole budget is a chain too, as the table prices it
+    few = parse_tree_spec("dynamic:4,2,2")
+    small = TreeDraftProposer.__new__(TreeDraftProposer)
+    small.spec, small._smaller, small.auto = few, {}, AutoBudget(few)
+    assert small.spec_for(4).to_string() == "chain:4" and small.spec_for(9).to_string() == "chain:4"
     prop.auto.set_rates(None)
     chain = expected_lengths(DEFAULT_ACCEPTANCE_RATES, cap, chain=True)
     tree = expected_lengths(DEFAULT_ACCEPTANCE_RATES, 10, chain=False)
