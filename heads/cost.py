@@ -508,7 +508,9 @@ class BudgetPolicy:
         self._since = 0  # steps since the last exploration
         self._up = False  # the last exploration went up (they alternate where both exist)
         self._choice = 0
-        self._bar = None  # (seconds per verified row, tokens per second) of the planned step
+        # (seconds per verified row, per verifying request, tokens per second, batch) of the
+        # planned step
+        self._bar = None
         self._grafting: set[int] = set()  # match lengths grafted now
         self._lengths = None  # (key, lengths()) of the last call
         # (batch, budget) -> [decayed seconds, decayed steps, steps, model step of the last]
@@ -554,9 +556,12 @@ class BudgetPolicy:
     def _graft_value(self, match: int, sampled: bool, head: int) -> tuple[float, float]:
         """(extra tokens a graft at match length `match` earns, the tokens the step's own rate
         makes in the time its nodes cost): `graft`'s two sides, before LOOKUP_TAKE / LOOKUP_KEEP."""
-        c, v, rate = self._bar
+        c, v, rate, batch = self._bar
         g, nodes = self.lookup[sampled].value(match)
-        return g, (nodes * c + (0.0 if head else v)) * rate
+        cost = nodes * c + (0.0 if head else v)
+        if not head and (measured := self.graft_seconds(batch)) is not None:
+            cost = max(cost, measured)  # what such grafts were measured to add at this batch
+        return g, cost * rate
 
     def kappa(self, sampled: float | None = None) -> float:
         """The head's acceptance against its table for a step whose share of sampled requests is
@@ -584,18 +589,44 @@ class BudgetPolicy:
         all of them; any lookup rows priced out by the caller) and drafted for the next: in
         `seconds`, its drafting counted as if it drafted `budget` again (what a step costs where
         that budget is kept)."""
-        if budget < 1 or batch < 1 or seconds <= 0:
+        if budget < 0 or batch < 1 or seconds <= 0:
             return
-        m = self._measured.setdefault((batch, budget), [0.0, 0.0, 0, 0])
+        self._measure((batch, budget), seconds)
+
+    def _measure(self, key, seconds: float) -> None:
+        m = self._measured.setdefault(key, [0.0, 0.0, 0, 0])
         d = self.MEASURED_DECAY
         m[0], m[1], m[2], m[3] = d * m[0] + seconds, d * m[1] + 1.0, m[2] + 1, self.model.steps
+
+    def _mean(self, key) -> float | None:
+        m = self._measured.get(key)
+        if m is None or m[2] < self.MEASURED_MIN or self.model.steps - m[3] > self.MEASURED_STALE:
+            return None
+        return m[0] / m[1]
+
+    def plain_seconds(self, batch: int) -> float | None:
+        """Seconds of a step at `batch` decoding requests that verifies and drafts nothing, as
+        measured (`measured_step(batch, 0, ...)`), or None."""
+        return self._mean((batch, 0))
+
+    def measured_graft(self, batch: int, seconds: float) -> None:
+        """A step at `batch` decoding requests that verified lookup-only grafts (no head node)
+        took `seconds` more per grafted request than a plain step there."""
+        self._measure(("graft", batch), seconds)
+
+    def graft_seconds(self, batch: int) -> float | None:
+        """What a lookup-only graft was measured to add to a step at `batch` requests, or None
+        (fewer than MEASURED_MIN measurements, or stale). A graft is priced at no less: at batch
+        16-32 on a 2-core CPU the fit priced one at ~3-5 ms where grafting steps took ~13-30 ms
+        more than plain ones, and 100-270 such steps made `auto` 0.95x no-spec (session 32)."""
+        return self._mean(("graft", batch))
 
     def measured(self, batch: int) -> dict[int, float]:
         """budget -> seconds of a step at `batch` decoding requests that each verify and draft
         that budget, for the budgets measured MEASURED_MIN times or more at that batch."""
         now = self.model.steps
         return {n: m[0] / m[1] for (b, n), m in self._measured.items()
-                if b == batch and m[2] >= self.MEASURED_MIN
+                if b == batch and isinstance(n, int) and n >= 1 and m[2] >= self.MEASURED_MIN
                 and now - m[3] <= self.MEASURED_STALE}
 
     def choose(self, batch: int, sampled: int = 0) -> tuple[int, bool]:
@@ -616,7 +647,7 @@ class BudgetPolicy:
             if coef is not None and self.model.knows_verifying:
                 self._bar = (coef[3], coef[5],
                              budget_rates(self.model, batch, {n: lengths[n]},
-                                          self.measured(batch))[n])
+                                          self.measured(batch))[n], batch)
         up = [b for b in self.table if b > n]
         down = [b for b in self.table if b < n]
         if self._since < self.interval or not (up or down):

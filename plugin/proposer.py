@@ -295,6 +295,17 @@ class AutoBudget:
             # budget or max_model_len)
             prev = self._drafted
             budgets = set(prev.values())
+            cycle = seconds - (drafting or 0.0) + self._last_drafting
+            if not prefill and not self._last_prefill and not prev:
+                # a plain step (nothing verified) prices drafting nothing at this batch; a step
+                # that verified only lookup-only grafts, what a graft adds to it
+                looked = {r: nodes for r, (_, nodes) in self._grafted.items()}
+                if not verified and not looked:
+                    self.policy.measured_step(decode, 0, cycle)
+                elif (looked and verified == sum(looked.values())
+                      and all(len(spec.get(r, ())) == k for r, k in looked.items())
+                      and (plain := self.policy.plain_seconds(decode)) is not None):
+                    self.policy.measured_graft(decode, max(cycle - plain, 0.0) / len(looked))
             if (not prefill and not self._last_prefill and len(budgets) == 1
                     and len(prev) == decode
                     and prev.keys() == scheduler_output.num_scheduled_tokens.keys()
@@ -302,8 +313,7 @@ class AutoBudget:
                             for r, n in prev.items())):
                 looked = sum(nodes for _, nodes in self._grafted.values())
                 self.policy.measured_step(
-                    decode, budgets.pop(), seconds - (drafting or 0.0) + self._last_drafting
-                    - looked * self.policy.model.coefficients[3])
+                    decode, budgets.pop(), cycle - looked * self.policy.model.coefficients[3])
         self._last_drafting, self._last_prefill = drafting or 0.0, prefill > 0
         self._start, self._last_end = None, now
         self._drafted, self._grafted = drafted, grafted or {}

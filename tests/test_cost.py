@@ -589,3 +589,26 @@ def test_a_measured_step_cost_replaces_the_fits_price_of_that_budget():
     for _ in range(BudgetPolicy.MEASURED_MIN):
         cheap.measured_step(1, 2, 0.026)
     assert cheap.best(1) == 1  # unscaled, the fit's dear price of 1 would leave 2 chosen
+
+
+def test_a_lookup_graft_is_priced_at_no_less_than_measured():
+    """At batch 16-32 on the AMD EPYC (session 32) the degenerate fit priced a lookup-only graft
+    at a few ms where grafting steps took ~13-30 ms more than plain ones: `auto` grafted on
+    100-270 steps and ran 0.95x no-spec. What grafts were measured to add at a batch size is now
+    the least a graft there is priced at (`graft_seconds`); other batch sizes keep the fit's."""
+    lengths = expected_lengths(RATES, 16, chain=False)
+    policy = BudgetPolicy(lengths, lookup=True)
+    policy.model = fitted(0.035, 0.0003, 0.0005, 0.01)  # head nodes dear, graft rows cheap
+    assert policy.choose(16)[0] == 0 and policy.graft(4, head=0)  # the fit: grafting pays
+    assert policy.graft_seconds(16) is None
+    for _ in range(BudgetPolicy.MEASURED_MIN):
+        policy.measured_graft(16, 0.012)  # measured: 12 ms more per grafted request
+    assert policy.graft_seconds(16) == pytest.approx(0.012)
+    policy.choose(16)
+    assert not policy.graft(4, head=0) and not policy.may_graft(range(1, 5), head=0)
+    policy.choose(8)  # nothing measured at batch 8: the fit's price
+    assert policy.graft(4, head=0)
+    # a plain step's measurement prices nothing by itself (budget 0 is not a measured budget)
+    for _ in range(BudgetPolicy.MEASURED_MIN):
+        policy.measured_step(16, 0, 0.040)
+    assert policy.plain_seconds(16) == pytest.approx(0.040) and 0 not in policy.measured(16)

@@ -747,3 +747,41 @@ def test_auto_drafts_chains_at_small_budgets_and_its_table_says_so():
     low = AutoBudget(spec, chain_max=2)
     low.set_rates(None)
     assert low.policy.table[3] == pytest.approx(tree[3])
+
+
+def test_auto_measures_plain_steps_and_what_lookup_grafts_add():
+    """A decode step that verified nothing measures a plain step at its batch; one that verified
+    only lookup-only grafts (no head node last step, every grafted node scheduled) measures what
+    a graft adds over a plain step there, per grafted request."""
+    import time
+    from types import SimpleNamespace
+
+    from treedraft.heads.tree import parse_tree_spec
+    from treedraft.plugin.proposer import AutoBudget
+
+    auto = AutoBudget(parse_tree_spec("dynamic:10,3,3+lookup:4"))
+    auto.set_rates(None)
+    plain, grafts = [], []
+    auto.policy.measured_step = lambda b, n, s: plain.append((b, n, s))
+    auto.policy.measured_graft = lambda b, s: grafts.append((b, s))
+    auto.policy.plain_seconds = lambda b: 0.010 if b == 2 else None
+    auto.policy.step_done = lambda *a, **k: None
+
+    def step(scheduled, spec, grafted=None, pause=0.0):
+        auto.step_started()
+        time.sleep(pause)
+        auto.step_done(SimpleNamespace(num_scheduled_tokens=scheduled,
+                                       scheduled_spec_decode_tokens=spec),
+                       {}, drafting=0.0, grafted=grafted)
+
+    step({"a": 1, "b": 1}, {})
+    assert [(b, n) for b, n, _ in plain] == [(2, 0)] and grafts == []
+    step({"a": 1, "b": 1}, {}, grafted={"a": (3, 2)})  # plain itself; grafts for the next
+    step({"a": 3, "b": 1}, {"a": [1, 2]}, pause=0.03)  # verifies the graft
+    assert len(plain) == 2 and len(grafts) == 1 and grafts[0][0] == 2
+    assert 0.03 - 0.010 - 0.002 <= grafts[0][1] <= 0.03 - 0.010 + 0.01, grafts
+    step({"a": 1, "b": 1}, {}, grafted={"a": (3, 2)})
+    step({"a": 2, "b": 1}, {"a": [1]})  # vLLM cut the graft's 2 nodes to 1: not measured
+    step({"a": 1, "b": 1, "c": 1}, {}, grafted={"a": (3, 2)})
+    step({"a": 3, "b": 1, "c": 1}, {"a": [1, 2]})  # batch 3: no plain step measured there
+    assert len(grafts) == 1
