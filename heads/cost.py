@@ -585,10 +585,10 @@ class BudgetPolicy:
                            self._choice, self.HYSTERESIS, self.TRUST, self.measured(batch))
 
     def measured_step(self, batch: int, budget: int, seconds: float) -> None:
-        """A step of `batch` decoding requests verified `budget` head nodes each (budget >= 1,
-        all of them; any lookup rows priced out by the caller) and drafted for the next: in
-        `seconds`, its drafting counted as if it drafted `budget` again (what a step costs where
-        that budget is kept)."""
+        """A step of `batch` decoding requests verified `budget` head nodes each (all of them;
+        any lookup rows priced out by the caller; 0: a plain step, `plain_seconds`) and drafted
+        for the next: in `seconds`, its drafting counted as if it drafted `budget` again (what a
+        step costs where that budget is kept)."""
         if budget < 0 or batch < 1 or seconds <= 0:
             return
         self._measure((batch, budget), seconds)
@@ -624,10 +624,8 @@ class BudgetPolicy:
     def measured(self, batch: int) -> dict[int, float]:
         """budget -> seconds of a step at `batch` decoding requests that each verify and draft
         that budget, for the budgets measured MEASURED_MIN times or more at that batch."""
-        now = self.model.steps
-        return {n: m[0] / m[1] for (b, n), m in self._measured.items()
-                if b == batch and isinstance(n, int) and n >= 1 and m[2] >= self.MEASURED_MIN
-                and now - m[3] <= self.MEASURED_STALE}
+        return {n: mean for (b, n) in self._measured
+                if b == batch and n >= 1 and (mean := self._mean((b, n))) is not None}
 
     def choose(self, batch: int, sampled: int = 0) -> tuple[int, bool]:
         """(budget, explored) for a step with `batch` drafting requests, `sampled` of them

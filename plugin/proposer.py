@@ -286,34 +286,33 @@ class AutoBudget:
             self.policy.step_done(seconds, decode, prefill, verified,
                                   sum(drafted.values()), drafting if drafted else None,
                                   len(drafted), verifying)
-            # a decode step whose requests all verified the same head budget n (each drafted n
-            # head nodes last step) measures what a step at n costs: its own drafting swapped
-            # for last step's (an exploration's next step drafts another budget), the rows of
-            # last step's lookup-only nodes priced out at the fit's price of a verified row
-            # (not after a prefill step: its drafting phase committed a whole prompt chunk)
-            # (and only if vLLM scheduled every node drafted: it may cut drafts to fit its token
-            # budget or max_model_len)
-            prev = self._drafted
-            budgets = set(prev.values())
+            # Measured costs (never right after a prefill step: its drafting phase committed a
+            # whole prompt chunk), each with its own drafting phase swapped for last step's (an
+            # exploration's next step drafts another budget), and only where vLLM scheduled
+            # every node drafted (it may cut drafts to fit its token budget or max_model_len):
+            prev = self._drafted  # head nodes drafted last step, by request
+            lookup_only = {r: nodes for r, (_, nodes) in self._grafted.items()}
             cycle = seconds - (drafting or 0.0) + self._last_drafting
-            if not prefill and not self._last_prefill and not prev:
-                # a plain step (nothing verified) prices drafting nothing at this batch; a step
-                # that verified only lookup-only grafts, what a graft adds to it
-                looked = {r: nodes for r, (_, nodes) in self._grafted.items()}
-                if not verified and not looked:
-                    self.policy.measured_step(decode, 0, cycle)
-                elif (looked and verified == sum(looked.values())
-                      and all(len(spec.get(r, ())) == k for r, k in looked.items())
-                      and (plain := self.policy.plain_seconds(decode)) is not None):
-                    self.policy.measured_graft(decode, max(cycle - plain, 0.0) / len(looked))
-            if (not prefill and not self._last_prefill and len(budgets) == 1
-                    and len(prev) == decode
-                    and prev.keys() == scheduler_output.num_scheduled_tokens.keys()
-                    and all(len(spec.get(r, ())) == n + self._grafted.get(r, (0, 0))[1]
-                            for r, n in prev.items())):
-                looked = sum(nodes for _, nodes in self._grafted.values())
+            budgets = set(prev.values())
+            if prefill or self._last_prefill:
+                pass  # a prefill step, or the step after one
+            elif not prev and not verified and not lookup_only:
+                # a plain step (nothing verified): what drafting nothing costs at this batch
+                self.policy.measured_step(decode, 0, cycle)
+            elif (not prev and lookup_only and verified == sum(lookup_only.values())
+                  and all(len(spec.get(r, ())) == k for r, k in lookup_only.items())
+                  and (plain := self.policy.plain_seconds(decode)) is not None):
+                # only lookup-only grafts verified: what a graft adds to a plain step here
+                self.policy.measured_graft(decode, max(cycle - plain, 0.0) / len(lookup_only))
+            elif (len(budgets) == 1 and len(prev) == decode
+                  and prev.keys() == scheduler_output.num_scheduled_tokens.keys()
+                  and all(len(spec.get(r, ())) == n + lookup_only.get(r, 0)
+                          for r, n in prev.items())):
+                # every request verified the same head budget n: what a step at n costs, last
+                # step's lookup-only rows priced out at the fit's price of a verified row
                 self.policy.measured_step(
-                    decode, budgets.pop(), cycle - looked * self.policy.model.coefficients[3])
+                    decode, budgets.pop(),
+                    cycle - sum(lookup_only.values()) * self.policy.model.coefficients[3])
         self._last_drafting, self._last_prefill = drafting or 0.0, prefill > 0
         self._start, self._last_end = None, now
         self._drafted, self._grafted = drafted, grafted or {}
@@ -465,7 +464,7 @@ class TreeDraftProposer:
         # vLLM's runner keeps a request's state while it lives (running, left out of a step by
         # the token budget, or preempted) and drops it when it finishes: so do we. A request
         # left out of this batch keeps its session and tree; a preempted one rewinds its session
-        # to what vLLM recomputes (`_add_pairs`), so its head context is rebuilt, not lost.
+        # to what vLLM recomputes (`_record_pairs`), so its head context is rebuilt, not lost.
         if accepted and self.source_stats is not None:
             self._count_sources(accepted)
         for gone in self._known - runner.requests.keys():
