@@ -117,8 +117,10 @@ class StepCostModel:
 
     Steps that verify or draft are kept in their own window, so that a long run of plain steps
     (auto choosing 0) never pushes out what the model knows about drafting. A plain step refits
-    the model only every `refit_every` steps (a fit is ~1 ms of the step it serves, 2-3 % of a
-    small CPU step); a step that drafted refits it at once."""
+    the model only every `refit_every` steps (a fit is ~0.7 ms of the step it serves in the
+    engine, 2-3 % of a small CPU step; every 8 steps it was still ~0.1 ms of each plain step at
+    batch 16, session 33); a step that drafted refits it at once, and so does a plain step
+    far faster than the model's (`STALE_AFTER`)."""
 
     # a plain step after at least STALE_AFTER steps without one that runs STALE_RATIO times
     # faster than the plain steps kept predict replaces them: they were measured on a slower
@@ -128,7 +130,7 @@ class StepCostModel:
     # that (the 4x rule in `add` drops stalls, a plain step beside drafting ones is noisy)
     STALE_AFTER, STALE_RATIO = 32, 1.5
 
-    def __init__(self, window: int = 256, min_samples: int = 12, refit_every: int = 8) -> None:
+    def __init__(self, window: int = 256, min_samples: int = 12, refit_every: int = 32) -> None:
         self.plain: deque[tuple[float, ...]] = deque(maxlen=window)
         self.steps = 0  # steps added (dropped ones too)
         self._plain_at = 0  # self.steps at the newest plain sample
@@ -142,6 +144,9 @@ class StepCostModel:
         self._fitted = False
         self._stale = 0  # plain steps added since the last fit
         self._max_verified = 0.0
+        # bumped whenever what `fit`, `draft_fit`, `knows_*` or `max_verified` return may have
+        # changed: a policy's choice computed at one version holds until the next
+        self.version = 0
 
     @property
     def samples(self) -> list[tuple[float, ...]]:
@@ -161,6 +166,7 @@ class StepCostModel:
             if drafted and requests:
                 self.draft_times.append((float(requests), float(drafted), drafting_seconds))
                 self._draft_coef = None
+                self.version += 1
             seconds, drafted = seconds - drafting_seconds, 0
         x = (float(decode), float(prefill), float(verified), float(drafted), float(verifying))
         if seconds <= 0 or decode + prefill <= 0:
@@ -182,6 +188,7 @@ class StepCostModel:
         self._stale += 1
         if not plain or stale or self._coef is None or self._stale >= self.refit_every:
             self._coef, self._fitted = None, False
+            self.version += 1
 
     @property
     def plain_age(self) -> int:
@@ -516,6 +523,7 @@ class BudgetPolicy:
         # (batch, budget) -> [decayed seconds, decayed steps, steps, model step of the last]
         # measured (`measured_step`)
         self._measured: dict[tuple[int, int], list[float]] = {}
+        self._planned = None  # (what `_plan` read, what it answered)
 
     @property
     def choice(self) -> int:
@@ -581,8 +589,28 @@ class BudgetPolicy:
         return dict(self._lengths[1])
 
     def best(self, batch: int, lengths: dict[int, float] | None = None) -> int:
-        return best_budget(self.model, batch, lengths or self.lengths(), self.MARGIN,
-                           self._choice, self.HYSTERESIS, self.TRUST, self.measured(batch))
+        return self._plan(batch, lengths or self.lengths())[0]
+
+    def _plan(self, batch: int, lengths: dict[int, float]) -> tuple[int, float | None]:
+        """(`best_budget` for `batch` requests, the expected tokens per second of that budget
+        (`budget_rates`; None before the model knows verifying)), computed again only when
+        something they read changed: the model's fit (`StepCostModel.version`), `lengths`, the
+        measured step costs at this batch, the current choice. A step that drafts nothing
+        changes none of them but every `refit_every` steps, and pricing every budget was ~0.1-0.5
+        ms of each such step in the engine (batch 16, 2-core CPU, session 33): a cost paid where
+        `auto` is meant to cost nothing."""
+        measured = self.measured(batch)
+        key = (batch, id(self.model), self.model.version, tuple(lengths.items()),
+               tuple(sorted(measured.items())), self._choice, self.MARGIN, self.HYSTERESIS,
+               self.TRUST)
+        if self._planned is not None and self._planned[0] == key:
+            return self._planned[1]
+        n = best_budget(self.model, batch, lengths, self.MARGIN, self._choice, self.HYSTERESIS,
+                        self.TRUST, measured)
+        rate = (budget_rates(self.model, batch, {n: lengths[n]}, measured)[n]
+                if self.model.fit() is not None and self.model.knows_verifying else None)
+        self._planned = key, (n, rate)
+        return n, rate
 
     def measured_step(self, batch: int, budget: int, seconds: float) -> None:
         """A step of `batch` decoding requests verified `budget` head nodes each (all of them;
@@ -633,7 +661,7 @@ class BudgetPolicy:
         grafted."""
         self._sampled = min(max(sampled, 0), batch) / batch if batch > 0 else 0.0
         lengths = self.lengths()
-        n = self.best(batch, lengths)
+        n, rate = self._plan(batch, lengths)
         if n != self._choice:  # a new answer: check it again soon
             self._choice, self.interval = n, self.EXPLORE_MIN
         self._since += 1
@@ -641,11 +669,9 @@ class BudgetPolicy:
         if self.lookup is not None:
             for value in self.lookup:
                 value.step()
-            coef = self.model.fit()
-            if coef is not None and self.model.knows_verifying:
-                self._bar = (coef[3], coef[5],
-                             budget_rates(self.model, batch, {n: lengths[n]},
-                                          self.measured(batch))[n], batch)
+            if rate is not None:
+                coef = self.model.coefficients
+                self._bar = (coef[3], coef[5], rate, batch)
         up = [b for b in self.table if b > n]
         down = [b for b in self.table if b < n]
         if self._since < self.interval or not (up or down):

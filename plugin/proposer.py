@@ -50,7 +50,7 @@ import numpy as np
 import torch
 from vllm.logger import init_logger
 
-from treedraft.heads.common import PendingPairs, commit_sessions
+from treedraft.heads.common import PairLog, PendingPairs, commit_sessions
 from treedraft.heads.lookup import (
     DEFAULT_MAX_N,
     DEFAULT_MIN_N,
@@ -351,6 +351,7 @@ class TreeDraftProposer:
         self.rates = None  # the head's acceptance_rates (static trees), set in load_model
         self.sessions: dict[str, object] = {}
         self.pending: dict[str, PendingPairs] = {}  # per request, pairs its session has not read
+        self.log = PairLog()  # plain decode steps' pairs, not yet handed to `pending`
         self.trees: dict[str, DraftTree] = {}  # drafted this step, verified next step (tree mode)
         self.chain_q: dict[str, torch.Tensor] = {}  # q [K, V] of the sampled chains in `trees`
         self.lookups: dict[str, LookupIndex] = {}  # per request, its token history indexed
@@ -521,7 +522,8 @@ class TreeDraftProposer:
             n, few = self.auto.choose(
                 len(eligible), sum(req_id in sampling for _, req_id, *_ in eligible))
             if few is not None:  # explore with the requests that have the least to catch up
-                eligible = sorted(eligible, key=lambda e: len(self.pending[e[1]]))[:few]
+                self.log.drain(self.pending, self._known)
+                eligible = sorted(eligible, key=lambda e: len(self.pending.get(e[1], ())))[:few]
             if self.spec.lookup and not self.auto.exploring:  # per request: graft its lookup
                 # proposal where that pays (an exploration measures the head alone)
                 # (a class of requests for which no match length can pay this step skips
@@ -551,12 +553,15 @@ class TreeDraftProposer:
         drafting = {req_id for _, req_id, *_ in eligible} if spec.has_head else set()
         catch_up = 0.0  # seconds of this step's commits spent on pairs of earlier steps
         t_drafting = time.perf_counter()  # auto: the drafting phase is timed, not fitted
-        if self.head is not None:  # the drafting requests' sessions read what is pending
-            # (and so does any session with `full` pending pairs: bounded memory, no lost context)
+        # the drafting requests' sessions read what is pending (and so does any session with
+        # `full` pending pairs: bounded memory, no lost context); nothing to do in a step that
+        # drafts nothing and only logged its pairs (the pending pairs are as the last step left)
+        if self.head is not None and (drafting or self.log.full or not self.log):
+            self.log.drain(self.pending, self._known)
             flushed, generated = [], []  # generated: its last pairs whose token the target
             for _, req_id, _, session in work:  # generated (the rest are prompt tokens)
-                pending = self.pending[req_id]
-                if req_id not in drafting and not pending.full:
+                pending = self.pending.get(req_id)
+                if pending is None or (req_id not in drafting and not pending.full):
                     continue
                 end, first = pending.start + len(pending), runner.requests[
                     req_id].num_prompt_tokens - 1  # the pair at position c predicts token c+1
@@ -658,15 +663,16 @@ class TreeDraftProposer:
     def _record_pairs(self, runner, scheduler_output, work, accepted, hidden_states,
                       aux_hidden_states) -> dict[str, int]:
         """Every scheduled request's known pairs (features of a scheduled row, the token after
-        it) from vLLM's computed tokens on, added to its pending pairs; returns req_id -> pairs
+        it) from vLLM's computed tokens on, for its pending pairs; returns req_id -> pairs
         added. Rows of a request: root + accepted nodes of its tree (tree step), else its first
         n - drafts - 1 + sampled rows (all of a prefill chunk; root + accepted drafts of a
         chain). One gather of the features and one of the tokens for the whole step, row
-        indices computed with numpy (per request in Python this was ~0.35 ms a step at batch
-        16, on steps that draft nothing: `"tree": "auto"`'s bookkeeping). Decode steps hand out
-        views of the step's tensor; a step with a prefill chunk copies each request's part, so
-        that a long chunk is not kept alive by the one-row views of the requests decoding
-        beside it."""
+        indices computed with numpy. A decode step that verified nothing (one pair each: the
+        step `"tree": "auto"` takes where it drafts nothing) is logged whole (`PairLog`: O(1)
+        in requests; per request it was ~0.3 ms of such a step at batch 16 on a 2-core CPU);
+        any other step drains the log first, then hands each request its part: views of the
+        step's tensor on decode steps, copies on a step with a prefill chunk, so that a long
+        chunk is not kept alive by the one-row views of the requests decoding beside it."""
         ib = runner.input_batch
         idx = np.fromiter((i for i, *_ in work), dtype=np.int64, count=len(work))
         qs = runner.query_start_loc.np[idx].astype(np.int64)
@@ -674,6 +680,17 @@ class TreeDraftProposer:
         spec = scheduler_output.scheduled_spec_decode_tokens
         scheduled = scheduler_output.num_scheduled_tokens
         trees = accepted or {}
+        ids = ib.token_ids_cpu  # [max_num_reqs, max_model_len]
+        # the pair at position c predicts token c+1; a pair at the last position of
+        # max_model_len has no next token: the request ends there
+        last = ids.shape[1] - 1
+        if not (spec or trees) and scheduler_output.total_num_scheduled_tokens == len(work):
+            req_ids = [r for _, r, *_ in work]
+            feats = self._features_of(hidden_states, aux_hidden_states, qs)
+            tokens = torch.from_numpy(ids[idx, np.minimum(c + 1, last)]).long()
+            self.log.add(req_ids, c.tolist(), feats, tokens)
+            return dict.fromkeys(req_ids, 1)
+        self.log.drain(self.pending, self._known)  # in step order, before this step's pairs
         if spec or trees:
             m = np.fromiter(
                 (len(trees[r]) + 1 if r in trees else
@@ -681,7 +698,7 @@ class TreeDraftProposer:
                  for _, r, s, _ in work), dtype=np.int64, count=len(work))
         else:  # no drafts scheduled: every row of every request
             m = np.fromiter((scheduled[r] for _, r, *_ in work), dtype=np.int64, count=len(work))
-        total = int(m.sum())
+        total, counts = int(m.sum()), m.tolist()
         first = np.cumsum(m) - m  # each request's first pair in the flat order
         offset = np.arange(total) - np.repeat(first, m)  # a pair's index within its request
         rows = np.repeat(qs, m) + offset
@@ -689,19 +706,10 @@ class TreeDraftProposer:
             for j, (_, r, *_) in enumerate(work):
                 if r in trees:
                     rows[first[j] + 1 : first[j] + m[j]] = qs[j] + np.asarray(trees[r])
-        if total and rows[0] == 0 and rows[-1] == total - 1 and (
-                total == 1 or bool((np.diff(rows) == 1).all())):
-            feats = self.features(hidden_states, aux_hidden_states, slice(0, total))
-        else:
-            feats = self.features(hidden_states, aux_hidden_states,
-                                  torch.from_numpy(rows).to(hidden_states.device))
-        ids = ib.token_ids_cpu  # [max_num_reqs, max_model_len]
-        # the pair at position c predicts token c+1; a pair at the last position of
-        # max_model_len has no next token: the request ends there
-        cols = np.minimum(np.repeat(c + 1, m) + offset, ids.shape[1] - 1)
+        feats = self._features_of(hidden_states, aux_hidden_states, rows)
+        cols = np.minimum(np.repeat(c + 1, m) + offset, last)
         tokens = torch.from_numpy(ids[np.repeat(idx, m), cols]).long()
         copy = total > 2 * len(work)  # a prefill chunk in this step
-        counts = m.tolist()
         own, pending = {}, self.pending
         for (_, req_id, *_), pos, f, t, k in zip(work, c.tolist(), feats.split(counts),
                                                  tokens.split(counts), counts, strict=True):
@@ -711,6 +719,15 @@ class TreeDraftProposer:
             p.add(pos, f.clone() if copy else f, t.clone() if copy else t)
             own[req_id] = k
         return own
+
+    def _features_of(self, hidden_states, aux_hidden_states, rows: np.ndarray) -> torch.Tensor:
+        """`features` of the scheduled rows `rows` (numpy), a slice where they are 0..n-1."""
+        n = len(rows)
+        if n and rows[0] == 0 and rows[-1] == n - 1 and (
+                n == 1 or bool((np.diff(rows) == 1).all())):
+            return self.features(hidden_states, aux_hidden_states, slice(0, n))
+        return self.features(hidden_states, aux_hidden_states,
+                             torch.from_numpy(rows).to(hidden_states.device))
 
     def _request_info(self, runner, req_id: str) -> tuple[bool, object]:
         """(trees cannot honour its parameters, its heads SamplingParams when it samples (T > 0)

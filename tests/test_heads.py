@@ -498,6 +498,47 @@ def test_pending_pairs_commit_lazily_what_eager_commits_make():
     assert full.full and len(full) == 14  # nothing dropped: the caller flushes it
 
 
+def test_pair_log_drains_into_pending_pairs_what_adding_each_step_makes():
+    """Plain decode steps are logged whole (heads.common.PairLog) and replayed into the
+    requests' PendingPairs when read: the same pairs at the same positions as adding each step
+    at once, through a rollback (a preempted request recomputed from position 2), a request
+    that joins late, and one that finished (its pairs dropped, no PendingPairs made for it)."""
+    from treedraft.heads.common import PairLog, PendingPairs
+
+    g = torch.Generator().manual_seed(3)
+    # steps: (request ids, positions) of one pair each
+    steps = [(["a", "b"], [5, 0]), (["a", "b"], [6, 1]), (["a", "b", "c"], [7, 2, 9]),
+             (["a", "b", "c"], [8, 3, 10]), (["b", "a", "c"], [4, 2, 11]),
+             (["a", "b", "c"], [3, 5, 12])]
+    eager: dict[str, PendingPairs] = {}
+    log, lazy = PairLog(max_steps=3), {"a": PendingPairs()}
+    lazy["a"].add(0, torch.randn(5, H, generator=g), torch.arange(5))  # a's prefill, direct
+    eager["a"] = PendingPairs()
+    eager["a"].add(0, lazy["a"].feats[0], lazy["a"].tokens[0])
+    for k, (req_ids, positions) in enumerate(steps):
+        feats = torch.randn(len(req_ids), H, generator=g)
+        tokens = torch.randint(0, V, (len(req_ids),), generator=g)
+        for j, (r, pos) in enumerate(zip(req_ids, positions, strict=True)):
+            eager.setdefault(r, PendingPairs()).add(pos, feats[j : j + 1], tokens[j : j + 1])
+        log.add(req_ids, positions, feats, tokens)
+        assert len(log) == k % 3 + 1 and log.full == (len(log) == 3)
+        if log.full:
+            log.drain(lazy)
+            assert len(log) == 0
+    log.drain(lazy)
+    assert lazy.keys() == eager.keys() == {"a", "b", "c"}
+    for r in eager:
+        want, got = eager[r], lazy[r]
+        assert (got.start, len(got)) == (want.start, len(want)), r
+        torch.testing.assert_close(torch.cat(got.feats), torch.cat(want.feats), rtol=0, atol=0)
+        assert torch.cat(got.tokens).tolist() == torch.cat(want.tokens).tolist()
+    assert (lazy["a"].start, len(lazy["a"])) == (0, 4)  # rolled back to 2, then 3
+    # a finished request: its logged pairs are dropped, nothing is made for it
+    log.add(["a", "d"], [4, 0], torch.randn(2, H, generator=g), torch.tensor([1, 2]))
+    log.drain(lazy, live={"a"})
+    assert "d" not in lazy and len(lazy["a"]) == 5 and lazy["a"].tokens[-1].tolist() == [1]
+
+
 @pytest.mark.parametrize("masked", [False, True])
 def test_one_query_attention_equals_sdpa_with_repeated_kv_heads(masked):
     """The sessions' one-query path (grouped matmuls) computes what SDPA over repeated K/V
