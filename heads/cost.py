@@ -69,6 +69,7 @@ slow plain steps beside fast drafting ones and every row looked free, `StepCostM
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Sequence
 
@@ -119,8 +120,9 @@ class StepCostModel:
     (auto choosing 0) never pushes out what the model knows about drafting. A plain step refits
     the model only every `refit_every` steps (a fit is ~0.7 ms of the step it serves in the
     engine, 2-3 % of a small CPU step; every 8 steps it was still ~0.1 ms of each plain step at
-    batch 16, session 33); a step that drafted refits it at once, and so does a plain step
-    far faster than the model's (`STALE_AFTER`)."""
+    batch 16, session 33), a step that drafted every `DRAFT_REFIT_EVERY` steps; at once where
+    the step is news: a drafting step while few were seen or one that verified more rows than
+    any before, a plain step far faster than the model's (`STALE_AFTER`)."""
 
     # a plain step after at least STALE_AFTER steps without one that runs STALE_RATIO times
     # faster than the plain steps kept predict replaces them: they were measured on a slower
@@ -129,6 +131,10 @@ class StepCostModel:
     # nodes where one pays, session 20); slower plain steps than predicted are not evidence of
     # that (the 4x rule in `add` drops stalls, a plain step beside drafting ones is noisy)
     STALE_AFTER, STALE_RATIO = 32, 1.5
+    # a step that drafted refits the model at once while it is news (few drafting steps seen,
+    # more rows verified than ever), else after this many steps: at batch 1 every step drafts,
+    # and a refit at each was ~0.7 ms of a ~30 ms step (session 33)
+    DRAFT_REFIT_EVERY = 8
 
     def __init__(self, window: int = 256, min_samples: int = 12, refit_every: int = 32) -> None:
         self.plain: deque[tuple[float, ...]] = deque(maxlen=window)
@@ -138,6 +144,7 @@ class StepCostModel:
         # (drafting requests, drafted nodes, seconds) of steps whose drafting phase was timed
         self.draft_times: deque[tuple[float, float, float]] = deque(maxlen=window // 4)
         self._draft_coef: tuple[float, float] | None = None
+        self._draft_stale = 0  # drafting phases timed since `draft_fit` was last invalidated
         self.min_samples = min_samples
         self.refit_every = refit_every
         self._coef: tuple[float, ...] | None = None
@@ -165,8 +172,11 @@ class StepCostModel:
         if drafting_seconds is not None and seconds > 0 and decode + prefill > 0:
             if drafted and requests:
                 self.draft_times.append((float(requests), float(drafted), drafting_seconds))
-                self._draft_coef = None
-                self.version += 1
+                self._draft_stale += 1
+                if (len(self.draft_times) < self.min_samples
+                        or self._draft_stale >= self.DRAFT_REFIT_EVERY):
+                    self._draft_coef, self._draft_stale = None, 0
+                    self.version += 1
             seconds, drafted = seconds - drafting_seconds, 0
         x = (float(decode), float(prefill), float(verified), float(drafted), float(verifying))
         if seconds <= 0 or decode + prefill <= 0:
@@ -183,10 +193,14 @@ class StepCostModel:
             self.plain.clear()
         if plain:
             self._plain_at = self.steps
+        # a drafting step is news while few were seen or it verified more rows than any before
+        news = not plain and (len(self.drafting) < self.min_samples
+                              or verified > self._max_verified)
         (self.plain if plain else self.drafting).append((*x, float(seconds)))
         self._max_verified = max(self._max_verified, float(verified))
         self._stale += 1
-        if not plain or stale or self._coef is None or self._stale >= self.refit_every:
+        if (news or stale or self._coef is None
+                or self._stale >= (self.refit_every if plain else self.DRAFT_REFIT_EVERY)):
             self._coef, self._fitted = None, False
             self.version += 1
 
@@ -594,15 +608,16 @@ class BudgetPolicy:
     def _plan(self, batch: int, lengths: dict[int, float]) -> tuple[int, float | None]:
         """(`best_budget` for `batch` requests, the expected tokens per second of that budget
         (`budget_rates`; None before the model knows verifying)), computed again only when
-        something they read changed: the model's fit (`StepCostModel.version`), `lengths`, the
-        measured step costs at this batch, the current choice. A step that drafts nothing
-        changes none of them but every `refit_every` steps, and pricing every budget was ~0.1-0.5
-        ms of each such step in the engine (batch 16, 2-core CPU, session 33): a cost paid where
-        `auto` is meant to cost nothing."""
+        something they read changed: the model's fit (`StepCostModel.version`), `lengths` (by
+        more than 0.01 tokens), the measured step costs at this batch (by more than ~1 %), the
+        current choice. Pricing every budget was ~0.1-0.5 ms of each step in the engine (batch
+        16, 2-core CPU, session 33), a cost paid where `auto` drafts nothing and is meant to
+        cost nothing; the choice moves on changes of a few % (`HYSTERESIS`)."""
         measured = self.measured(batch)
-        key = (batch, id(self.model), self.model.version, tuple(lengths.items()),
-               tuple(sorted(measured.items())), self._choice, self.MARGIN, self.HYSTERESIS,
-               self.TRUST)
+        key = (batch, id(self.model), self.model.version,
+               tuple((n, round(e, 2)) for n, e in lengths.items()),
+               tuple(sorted((n, round(math.log(v), 2)) for n, v in measured.items())),
+               self._choice, self.MARGIN, self.HYSTERESIS, self.TRUST)
         if self._planned is not None and self._planned[0] == key:
             return self._planned[1]
         n = best_budget(self.model, batch, lengths, self.MARGIN, self._choice, self.HYSTERESIS,

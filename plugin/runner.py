@@ -144,7 +144,10 @@ def _wrap_prepare_inputs(original):
     def _prepare_inputs(self, scheduler_output, *args, **kwargs):
         result = original(self, scheduler_output, *args, **kwargs)
         if _ours(self) and self.drafter.tree_mode:
-            setattr(self, tree_step.STEP_ATTR, build_step(self, scheduler_output))
+            # a step that verifies no drafts has no tree step (its layers skip the tree path)
+            setattr(self, tree_step.STEP_ATTR,
+                    build_step(self, scheduler_output)
+                    if scheduler_output.scheduled_spec_decode_tokens else None)
         return result
 
     return _prepare_inputs

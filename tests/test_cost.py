@@ -356,8 +356,11 @@ def test_a_start_up_stall_leaves_no_plain_steps_that_price_rows_at_nothing():
                              int(bool(n)))
             last = n
             budgets.append(n)
-        assert max(budgets[stall + 200:]) <= 2, budgets[stall + 200:]
-        assert budgets[-300:].count(1) >= 280, budgets[-300:]
+        # one node pays most; two earn 1 % less (within HYSTERESIS: either may be kept), more
+        # earn less still: the choice is one of the two, explorations go one budget up
+        assert max(budgets[stall + 200:]) <= 3, budgets[stall + 200:]
+        kept = max((1, 2), key=budgets[-300:].count)
+        assert budgets[-300:].count(kept) >= 280, budgets[-300:]
         a, _, _, c, _, _ = policy.model.fit()
         assert a == pytest.approx(0.051, rel=0.15) and c == pytest.approx(0.0053, rel=0.3)
 
@@ -541,7 +544,7 @@ def test_policy_grafts_lookup_where_it_pays_and_tries_it_rarely_elsewhere():
     assert speed > 0.97, speed
 
 
-def test_plain_steps_refit_the_model_every_few_steps_drafting_steps_at_once():
+def test_the_model_refits_every_few_steps_and_at_once_on_news():
     m = fitted(0.005, 0.0006, 0.0009, 0.0003)
     before, waited = m.fit(), 0
     while m.fit() == before:  # plain steps twice as slow: the fit waits a few steps for them
@@ -549,8 +552,18 @@ def test_plain_steps_refit_the_model_every_few_steps_drafting_steps_at_once():
         waited += 1
     assert 1 < waited <= m.refit_every
     now = m.fit()
-    m.add(0.005 + 0.0006 * 4 + 0.0012 * 4, 4, 0, 4, 4)  # a step that drafted: at once
+    m.add(0.005 + 0.0006 * 4 + 0.0012 * 4, 4, 0, 4, 4)  # drafting, few seen yet: at once
     assert m.fit() != now
+    while len(m.drafting) < m.min_samples:
+        m.add(0.005 + 0.0006 * 4 + 0.0012 * 4, 4, 0, 4, 4)
+    now, version, waited = m.fit(), m.version, 0
+    while m.fit() == now:  # drafting steps twice as dear, nothing new: waits a few steps
+        m.add(2 * (0.005 + 0.0006 * 4 + 0.0012 * 4), 4, 0, 4, 4)
+        waited += 1
+    assert 1 < waited <= m.DRAFT_REFIT_EVERY and m.version == version + 1
+    now = m.fit()
+    m.add(0.005 + 0.0006 * 64 + 0.0012 * 64, 64, 0, 64, 64)  # more rows than ever: at once
+    assert m.fit() != now and m.max_verified == 64
 
 
 def test_a_measured_step_cost_replaces_the_fits_price_of_that_budget():
