@@ -189,8 +189,11 @@ class StepCostModel:
         plain = not (verified or drafted)
         stale = (plain and predicted is not None and self.plain_age >= self.STALE_AFTER
                  and self.STALE_RATIO * seconds < predicted)
-        if stale:
+        if stale:  # the steps kept were measured on a slower machine: drafting ones too
             self.plain.clear()
+            self.drafting.clear()
+            self.draft_times.clear()
+            self._draft_coef = None
         if plain:
             self._plain_at = self.steps
         # a drafting step is news while few were seen or it verified more rows than any before
@@ -515,6 +518,10 @@ class BudgetPolicy:
     # a measurement not refreshed for this many steps is dropped (the machine drifts, contexts
     # grow; a budget measured dear in a noisy spell would otherwise be priced so for good)
     MEASURED_STALE = 512
+    # a choice climbs to the next budget once the one below was chosen this many steps at that
+    # batch (or measured: `_plan`): MEASURED_MIN measured steps, and the first step after a
+    # change verifies the old budget's drafts
+    CLIMB = MEASURED_MIN + 2
 
     def __init__(self, lengths: dict[int, float], lookup: bool = False) -> None:
         self.table = dict(lengths)  # E(n) of the head's rate table
@@ -538,6 +545,8 @@ class BudgetPolicy:
         # measured (`measured_step`)
         self._measured: dict[tuple[int, int], list[float]] = {}
         self._planned = None  # (what `_plan` read, what it answered)
+        # (batch, budget) -> [steps it was chosen (not explorations), model step of the last]
+        self._used: dict[tuple[int, int], list[int]] = {}
 
     @property
     def choice(self) -> int:
@@ -612,16 +621,33 @@ class BudgetPolicy:
         more than 0.01 tokens), the measured step costs at this batch (by more than ~1 %), the
         current choice. Pricing every budget was ~0.1-0.5 ms of each step in the engine (batch
         16, 2-core CPU, session 33), a cost paid where `auto` drafts nothing and is meant to
-        cost nothing; the choice moves on changes of a few % (`HYSTERESIS`)."""
-        measured = self.measured(batch)
+        cost nothing; the choice moves on changes of a few % (`HYSTERESIS`).
+
+        Budgets are priced as measured (`priced`), and a choice climbs the budgets one at a
+        time (`CLIMB`): where the best is beyond the budget above the largest one chosen CLIMB
+        times at this batch lately or priced there (1 where none is) and beyond the current
+        choice, the choice is the larger of those two, if it pays. The fit, from
+        lookup grafts and one-request explorations, priced 4 head nodes for each of 16 requests
+        as paying where one cost 1.7x a plain step, and `auto` drafted them (batch 16, T=0, AMD
+        EPYC, session 33); climbing, the step at one node is measured first."""
+        measured = self.priced(batch)
+        steps = self.model.steps
+        top = max([n for (b, n), (count, last) in self._used.items()
+                   if b == batch and count >= self.CLIMB and steps - last <= self.MEASURED_STALE]
+                  + list(measured), default=0)
+        cap = min((b for b in lengths if b > top), default=top)
         key = (batch, id(self.model), self.model.version,
                tuple((n, round(e, 2)) for n, e in lengths.items()),
                tuple(sorted((n, round(math.log(v), 2)) for n, v in measured.items())),
-               self._choice, self.MARGIN, self.HYSTERESIS, self.TRUST)
+               self._choice, cap, self.MARGIN, self.HYSTERESIS, self.TRUST)
         if self._planned is not None and self._planned[0] == key:
             return self._planned[1]
         n = best_budget(self.model, batch, lengths, self.MARGIN, self._choice, self.HYSTERESIS,
                         self.TRUST, measured)
+        cap = max(cap, self._choice)
+        if n > cap:  # one budget up towards it, if that pays at all
+            rates = budget_rates(self.model, batch, {0: lengths[0], cap: lengths[cap]}, measured)
+            n = cap if cap and rates[cap] > (1.0 + self.MARGIN) * rates[0] else 0
         rate = (budget_rates(self.model, batch, {n: lengths[n]}, measured)[n]
                 if self.model.fit() is not None and self.model.knows_verifying else None)
         self._planned = key, (n, rate)
@@ -670,6 +696,31 @@ class BudgetPolicy:
         return {n: mean for (b, n) in self._measured
                 if b == batch and n >= 1 and (mean := self._mean((b, n))) is not None}
 
+    # the batch sizes whose measured costs `priced` carries to a batch with none: within 2x
+    NEAR = 2.0
+
+    def priced(self, batch: int) -> dict[int, float]:
+        """budget -> seconds of a step at `batch` decoding requests: `measured(batch)`, or where
+        nothing was measured at this batch, what was measured at the nearest batch size within
+        NEAR x, scaled by the plain steps' ratio between the two (measured, else the fit's). A
+        batch shrinking as requests finish (16, 15, 14, ...) otherwise met every size with the
+        fit's price alone, and tried the head at each again (session 33)."""
+        here = self.measured(batch)
+        if here or batch < 1:
+            return here
+        sizes = {b for (b, n) in self._measured
+                 if isinstance(b, int) and b != batch and n >= 1
+                 and batch / self.NEAR <= b <= batch * self.NEAR}
+        for near in sorted(sizes, key=lambda b: (abs(b - batch), b)):
+            there = self.measured(near)
+            if not there:
+                continue
+            plain = [self.plain_seconds(b) or self.model.predict(b) for b in (batch, near)]
+            if min(plain) <= 0:
+                return {}
+            return {n: v * plain[0] / plain[1] for n, v in there.items()}
+        return {}
+
     def choose(self, batch: int, sampled: int = 0) -> tuple[int, bool]:
         """(budget, explored) for a step with `batch` drafting requests, `sampled` of them
         sampling (T > 0); then `graft` says, per request, whether its lookup nodes are
@@ -690,6 +741,9 @@ class BudgetPolicy:
         up = [b for b in self.table if b > n]
         down = [b for b in self.table if b < n]
         if self._since < self.interval or not (up or down):
+            if n:
+                used = self._used.setdefault((batch, n), [0, 0])
+                used[0], used[1] = used[0] + 1, self.model.steps
             return n, False
         self._since, self.interval = 0, min(2 * self.interval, self.EXPLORE_MAX)
         self._up = not self._up if (up and down) else bool(up)

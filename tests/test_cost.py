@@ -128,12 +128,14 @@ def test_a_budget_far_beyond_the_rows_measured_is_not_chosen():
         one.step_done(0.015 + 0.001 * (i % 3), 1, 0, 0, 0)
     one.step_done(0.015, 1, 0, 0, 1, 0.0002, 1)
     one.step_done(0.0155, 1, 0, 1, 0, verifying=1)
-    big = one.best(1)
+    big = best_budget(one.model, 1, one.lengths(), one.MARGIN, trust=one.TRUST)
     assert one.model.fit()[3] == 0.0 and 8 <= big <= 16  # rows look free: up to the 16 trusted
+    assert one.best(1) == 1  # and the policy climbs there one budget at a time
     predicted = one.model.predict(1, 0, 16, 0, 0, 1)
     one.step_done(0.016 + 16 * 0.003, 1, 0, 16, 0, verifying=1)  # > 4x predicted
     assert 0.064 > 4 * predicted and one.model.max_verified == 16
-    assert one.model.predict(1, 0, 16, 0, 0, 1) > 0.04 and one.best(1) < big
+    assert one.model.predict(1, 0, 16, 0, 0, 1) > 0.04
+    assert best_budget(one.model, 1, one.lengths(), one.MARGIN, trust=one.TRUST) < big
 
 
 def test_the_current_budget_stays_unless_another_beats_it_by_the_hysteresis():
@@ -574,14 +576,14 @@ def test_a_measured_step_cost_replaces_the_fits_price_of_that_budget():
     model = fitted(0.025, 0.001, 0.0015, 0.0005)  # rows look cheap
     policy, fresh = BudgetPolicy(lengths), BudgetPolicy(lengths)
     policy.model = fresh.model = model
-    first = policy.best(1)
-    assert first >= 2  # the fit's choice
+    first = best_budget(model, 1, policy.lengths(), policy.MARGIN, trust=policy.TRUST)
+    assert first >= 2 and policy.best(1) == 1  # the fit's choice, one budget up from nothing
     predicted = {n: model.predict(1, 0, n, n, 1, 1) for n in lengths}
     # measured: every node beyond the first costs 2 ms more than the fit says
     true = {n: predicted[n] + max(0, n - 1) * 0.002 for n in lengths}
     for _ in range(BudgetPolicy.MEASURED_MIN - 1):
         policy.measured_step(1, first, true[first])
-    assert policy.measured(1) == {} and policy.best(1) == first  # too few steps: the fit
+    assert policy.measured(1) == {} and policy.best(1) == 1  # too few steps: nothing priced
     policy.measured_step(1, first, true[first])
     assert policy.measured(1) == {first: pytest.approx(true[first])}
     for n in range(1, first):  # the budgets below, measured as explorations would
@@ -589,11 +591,15 @@ def test_a_measured_step_cost_replaces_the_fits_price_of_that_budget():
             policy.measured_step(1, n, true[n])
     want = max(range(1, first + 1), key=lambda n: (lengths[n] / true[n], -n))
     assert want < first and policy.best(1) == want
-    # another batch size: nothing measured there, the fit decides
-    assert policy.measured(2) == {} and policy.best(2) == fresh.best(2)
+    # a batch size within NEAR x of a measured one: priced as measured there, scaled by the
+    # plain steps' ratio (the fit's here: no plain step measured); beyond it, the fit decides
+    plain = model.predict(2) / model.predict(1)
+    assert policy.measured(2) == {} and policy.priced(2) == {
+        n: pytest.approx(v * plain) for n, v in policy.measured(1).items()}
+    assert policy.priced(4) == {} and policy.best(4) == fresh.best(4)
     # a measurement not refreshed for MEASURED_STALE steps is dropped: the fit again
     policy.model.steps += BudgetPolicy.MEASURED_STALE + 1
-    assert policy.measured(1) == {} and policy.best(1) == first
+    assert policy.measured(1) == {} and policy.best(1) == fresh.best(1) == 1
     # measured cheaper than the fit: drafting the fit rejects is taken, and the budget next to
     # the measured one is priced as it came out against the fit (1: scaled like 2)
     cheap = BudgetPolicy(lengths)
@@ -602,6 +608,32 @@ def test_a_measured_step_cost_replaces_the_fits_price_of_that_budget():
     for _ in range(BudgetPolicy.MEASURED_MIN):
         cheap.measured_step(1, 2, 0.026)
     assert cheap.best(1) == 1  # unscaled, the fit's dear price of 1 would leave 2 chosen
+
+
+def test_a_choice_climbs_one_budget_at_a_time_and_nearby_batches_share_what_was_measured():
+    """Batch 16, T=0, AMD EPYC (session 33): a fit learned from lookup grafts and one-request
+    explorations priced 4 head nodes for each of 16 requests as paying, and `auto` drafted them
+    where one node cost 1.7x a plain step; then the batch shrank (15, 14, ...) and each size
+    was tried again on the fit's price. A choice now climbs one budget at a time (one node is
+    measured first), and a batch with nothing measured is priced as the nearest one measured."""
+    lengths = expected_lengths(RATES, 16, chain=False)
+    policy = BudgetPolicy(lengths)
+    policy.model = fitted(0.040, 0.0005, 0.00005, 0.00002)  # rows look cheap
+    assert best_budget(policy.model, 16, lengths, policy.MARGIN, trust=policy.TRUST) >= 4
+    steps = [policy.choose(16)[0] for _ in range(2 * BudgetPolicy.CLIMB)]
+    assert steps[0] == 1 and max(steps) <= 3, steps  # 1 for CLIMB steps, then 2, ...
+    assert steps[:BudgetPolicy.CLIMB].count(1) >= BudgetPolicy.CLIMB - 1, steps
+    # measured: a step at one node costs 1.7x a plain one (0.048 s)
+    for _ in range(BudgetPolicy.MEASURED_MIN):
+        policy.measured_step(16, 1, 1.7 * 0.048)
+    assert policy.best(16) == 0
+    policy.choose(16)  # the choice is now 0 (a choice in use stays allowed at another batch)
+    assert policy.choice == 0
+    for batch in (15, 14, 9):  # nearby sizes: priced as batch 16 measured, nothing drafted
+        assert policy.measured(batch) == {} and 1 in policy.priced(batch)
+        assert policy.best(batch) == 0, batch
+    assert policy.priced(7) == {}  # beyond NEAR x: the fit's price, one node up from nothing
+    assert policy.best(7) == 1
 
 
 def test_a_lookup_graft_is_priced_at_no_less_than_measured():
