@@ -219,8 +219,9 @@ class PairLog:
                 p = pending[req_id] = PendingPairs()
             pos = where[req_id]
             if all(b == a + 1 for a, b in zip(pos, pos[1:], strict=False)):
-                index = torch.tensor(r, device=feats.device)
-                p.add(pos[0], feats.index_select(0, index), tokens.index_select(0, index))
+                index = torch.tensor(r)
+                p.add(pos[0], feats.index_select(0, index.to(feats.device)),
+                      tokens.index_select(0, index.to(tokens.device)))
             else:  # a rollback among them: one pair at a time, as they came
                 for k, q in zip(r, pos, strict=True):
                     p.add(q, feats[k : k + 1].clone(), tokens[k : k + 1].clone())

@@ -626,7 +626,9 @@ class BudgetPolicy:
         Budgets are priced as measured (`priced`), and a choice climbs the budgets one at a
         time (`CLIMB`): where the best is beyond the budget above the largest one chosen CLIMB
         times at this batch lately or priced there (1 where none is) and beyond the current
-        choice, the choice is the larger of those two, if it pays. The fit, from
+        choice, the choice is the larger of those two: a step towards what pays, measured on the
+        way (the rung itself need not pay: where one node does not but four would, waiting for
+        one to pay left `auto` at 0 for good). The fit, from
         lookup grafts and one-request explorations, priced 4 head nodes for each of 16 requests
         as paying where one cost 1.7x a plain step, and `auto` drafted them (batch 16, T=0, AMD
         EPYC, session 33); climbing, the step at one node is measured first."""
@@ -644,10 +646,7 @@ class BudgetPolicy:
             return self._planned[1]
         n = best_budget(self.model, batch, lengths, self.MARGIN, self._choice, self.HYSTERESIS,
                         self.TRUST, measured)
-        cap = max(cap, self._choice)
-        if n > cap:  # one budget up towards it, if that pays at all
-            rates = budget_rates(self.model, batch, {0: lengths[0], cap: lengths[cap]}, measured)
-            n = cap if cap and rates[cap] > (1.0 + self.MARGIN) * rates[0] else 0
+        n = min(n, max(cap, self._choice))  # one budget up towards it (or stay)
         rate = (budget_rates(self.model, batch, {n: lengths[n]}, measured)[n]
                 if self.model.fit() is not None and self.model.knows_verifying else None)
         self._planned = key, (n, rate)

@@ -522,7 +522,8 @@ class TreeDraftProposer:
             n, few = self.auto.choose(
                 len(eligible), sum(req_id in sampling for _, req_id, *_ in eligible))
             if few is not None:  # explore with the requests that have the least to catch up
-                self.log.drain(self.pending, self._known)
+                # (pending pairs; the logged ones are about as many for every decoding request,
+                # and draining them here would land in the step's time, not the drafting's)
                 eligible = sorted(eligible, key=lambda e: len(self.pending.get(e[1], ())))[:few]
             if self.spec.lookup and not self.auto.exploring:  # per request: graft its lookup
                 # proposal where that pays (an exploration measures the head alone)

@@ -11,6 +11,7 @@ from treedraft.heads.cost import (
     BudgetPolicy,
     StepCostModel,
     best_budget,
+    budget_rates,
     expected_lengths,
 )
 from treedraft.heads.tree import build_static_paths, expected_acceptance_length
@@ -634,6 +635,17 @@ def test_a_choice_climbs_one_budget_at_a_time_and_nearby_batches_share_what_was_
         assert policy.best(batch) == 0, batch
     assert policy.priced(7) == {}  # beyond NEAR x: the fit's price, one node up from nothing
     assert policy.best(7) == 1
+    # the rung need not pay itself: a verifying request dear (9 ms), one node pays nothing over
+    # plain, 2 and more do; the choice climbs through 1 (waiting for 1 to pay, it stayed at 0)
+    model = StepCostModel()
+    for dec, ver, req in [(1, 0, 0), (2, 0, 0), (4, 0, 0), (1, 1, 1), (1, 4, 1), (2, 2, 2),
+                          (2, 8, 2), (4, 4, 4), (4, 16, 4), (3, 6, 3), (1, 2, 1), (8, 0, 0)]:
+        model.add(0.02 + 0.001 * dec + 0.0002 * ver + 0.009 * req, dec, 0, ver, ver, None, 0, req)
+    rate = budget_rates(model, 1, lengths)
+    assert rate[1] < (1 + BudgetPolicy.MARGIN) * rate[0] < rate[2] < rate[4]
+    climber = BudgetPolicy(lengths)
+    climber.model = model
+    assert climber.best(1) == 1
 
 
 def test_a_lookup_graft_is_priced_at_no_less_than_measured():
