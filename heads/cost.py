@@ -628,10 +628,10 @@ class BudgetPolicy:
         times at this batch lately or priced there (1 where none is) and beyond the current
         choice, the choice is the larger of those two: a step towards what pays, measured on the
         way (the rung itself need not pay: where one node does not but four would, waiting for
-        one to pay left `auto` at 0 for good). The fit, from
-        lookup grafts and one-request explorations, priced 4 head nodes for each of 16 requests
-        as paying where one cost 1.7x a plain step, and `auto` drafted them (batch 16, T=0, AMD
-        EPYC, session 33); climbing, the step at one node is measured first."""
+        one to pay left `auto` at 0 for good). The fit, from lookup grafts and one-request
+        explorations, priced 4 head nodes for each of 16 requests as paying where one cost 1.7x
+        a plain step, and `auto` drafted them (batch 16, T=0, AMD EPYC, session 33); climbing,
+        the step at one node is measured first."""
         measured = self.priced(batch)
         steps = self.model.steps
         top = max([n for (b, n), (count, last) in self._used.items()
