@@ -423,6 +423,43 @@ class LookupValue:
                          for k in sorted(self._sums)) or "untried"
 
 
+class HeadBesideLookup:
+    """What a step gives a greedy request that grafts its lookup proposal, per head budget m:
+    counterfactual, from each such step whose head drafted a chain of n nodes. At T=0 the
+    accepted path follows the head's chain for `a_head` nodes and the lookup's for `a_lookup`
+    (a node both proposed counts for both; once the path leaves a chain it never returns to
+    it), and a chain of m <= n nodes is a prefix of the one drafted, so with m head nodes that
+    step would have given 1 + max(min(a_head, m), a_lookup) tokens. One step measures every
+    budget up to the one drafted, on the same text: budgets chosen at different places of a
+    reply are not compared (lookup grafts where the reply repeats itself, where a head node
+    beyond the first adds little: at batch 1, T=0 `auto` drafted 3 head nodes beside lookup
+    where `chain:1+lookup:4` was 7 % faster, session 33). Decayed sums per budget, each decayed
+    when it is measured (a budget not drafted lately keeps what it measured)."""
+
+    MIN_WEIGHT = 4.0  # a budget's estimate is used once this many (decayed) steps measured it
+
+    def __init__(self, decay: float = 0.98) -> None:
+        self.decay = decay
+        self._sums: dict[int, list[float]] = {}  # head budget -> [decayed steps, tokens]
+
+    def add(self, drafted: int, a_head: int, a_lookup: int) -> None:
+        """A grafted step drafted a head chain of `drafted` nodes (0: lookup alone) and accepted
+        `a_head` of its nodes and `a_lookup` of the lookup's."""
+        for m in range(max(drafted, 0) + 1):
+            s = self._sums.setdefault(m, [0.0, 0.0])
+            s[0] = self.decay * s[0] + 1.0
+            s[1] = self.decay * s[1] + 1.0 + max(min(a_head, m), a_lookup)
+
+    def tokens(self, budget: int) -> float | None:
+        """Expected tokens of a grafted step with `budget` head nodes, or None (too few)."""
+        s = self._sums.get(budget)
+        return s[1] / s[0] if s is not None and s[0] >= self.MIN_WEIGHT else None
+
+    def said(self) -> str:
+        return " ".join(f"{m}:{t:.2f}" for m in sorted(self._sums)
+                        if (t := self.tokens(m)) is not None) or "-"
+
+
 class Acceptance:
     """How the head accepts in this engine against what its rate table promises: kappa =
     observed extra tokens / expected extra tokens (decayed sums with a prior of 1), so that
@@ -522,6 +559,9 @@ class BudgetPolicy:
     # batch (or measured: `_plan`): MEASURED_MIN measured steps, and the first step after a
     # change verifies the old budget's drafts
     CLIMB = MEASURED_MIN + 2
+    # every GRAFT_REFRESH-th step whose requests all graft drafts the head's own choice, so the
+    # budgets above a smaller one taken beside lookup are measured again (`graft_budget`)
+    GRAFT_REFRESH = 8
 
     def __init__(self, lengths: dict[int, float], lookup: bool = False) -> None:
         self.table = dict(lengths)  # E(n) of the head's rate table
@@ -531,6 +571,9 @@ class BudgetPolicy:
         self.acceptance = (Acceptance(), Acceptance())
         self.lookup = (LookupValue(), LookupValue(prior=LookupValue.PRIOR_SAMPLED)
                        ) if lookup else None
+        # greedy requests that graft: tokens per head budget beside the lookup
+        self.beside = HeadBesideLookup() if lookup else None
+        self._graft_steps = 0  # steps `graft_budget` answered (GRAFT_REFRESH)
         self._sampled = 0.0  # the share of sampled requests in the step planned last
         self.interval = self.EXPLORE_MIN
         self._since = 0  # steps since the last exploration
@@ -762,6 +805,42 @@ class BudgetPolicy:
         lookup-only nodes, `tokens` of them accepted; `sampled`: the request samples."""
         if self.lookup is not None:
             self.lookup[sampled].add(match, nodes, tokens)
+
+    def observe_beside(self, drafted: int, a_head: int, a_lookup: int) -> None:
+        """A greedy request grafted its lookup proposal beside a head chain of `drafted` nodes:
+        `a_head` of the chain's nodes and `a_lookup` of the lookup's were accepted
+        (`HeadBesideLookup`)."""
+        if self.beside is not None:
+            self.beside.add(drafted, a_head, a_lookup)
+
+    def graft_budget(self, batch: int, n: int, lookup_rows: int) -> int:
+        """The head budget for a step of `batch` greedy requests that all graft lookup
+        (`lookup_rows` lookup nodes in all) where the head alone would draft `n` (`choose`): the
+        budget m <= n with the most tokens per second beside the lookup (`HeadBesideLookup`,
+        each budget priced as `_plan` prices it, plus the lookup rows at the fitted price of a
+        verified row), unless it beats n by no more than HYSTERESIS; n where what a budget
+        gives is not known yet, and every GRAFT_REFRESH-th such step (the budgets up to n are
+        measured again)."""
+        if self.beside is None or n <= 1 or batch < 1 or self.model.fit() is None:
+            return n
+        self._graft_steps += 1
+        if self._graft_steps % self.GRAFT_REFRESH == 0:
+            return n
+        lengths = self.lengths()
+        budgets = [m for m in lengths if 1 <= m <= n]
+        tokens = {m: self.beside.tokens(m) for m in budgets}
+        if n not in lengths or tokens.get(n) is None:
+            return n
+        rate = budget_rates(self.model, batch, {m: lengths[m] for m in budgets},
+                            self.priced(batch))
+        row = self.model.coefficients[3] * lookup_rows
+
+        def beside(m: int) -> float:  # tokens per second of budget m beside the lookup
+            return batch * tokens[m] / (batch * lengths[m] / max(rate[m], 1e-12) + row)
+
+        known = sorted(m for m in budgets if tokens[m] is not None)
+        best = max(known, key=lambda m: (beside(m), -m))
+        return best if beside(best) > (1.0 + self.HYSTERESIS) * beside(n) else n
 
     def observe(self, expected_extra: float, observed_extra: float, sampled: bool = False,
                 budget: int | None = None) -> None:

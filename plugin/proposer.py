@@ -166,10 +166,15 @@ class AutoBudget:
             got, cls = sampled[req_id] - 1, req_id in self._sampling
             if req_id in self._grafted:  # lookup: the tokens its lookup-only nodes gave
                 path, src = (accepted or {}).get(req_id), (sources or {}).get(req_id)
-                looked = (sum(1 for a in path if int(src[a]) == LOOKUP)
-                          if path is not None and src is not None else 0)
+                bits = [int(src[a]) for a in path] if path is not None and src is not None else []
                 match, nodes = self._grafted[req_id]
-                self.policy.observe_lookup(match, nodes, looked, sampled=cls)
+                self.policy.observe_lookup(match, nodes, bits.count(LOOKUP), sampled=cls)
+                drafted = self._drafted.get(req_id, 0)
+                if path is not None and src is not None and not cls and drafted <= self.chain_max:
+                    # greedy, a head chain (or none) beside the lookup: what each head budget up
+                    # to the one drafted would have given here (heads.cost.HeadBesideLookup)
+                    self.policy.observe_beside(drafted, sum(1 for b in bits if b & HEAD),
+                                               sum(1 for b in bits if b & LOOKUP))
             elif n := self._drafted.get(req_id, 0):  # the head alone drafted its tree
                 key = (cls, max(b for b in table if b <= n))
                 expected[key] += table[key[1]] - 1.0
@@ -204,8 +209,8 @@ class AutoBudget:
         # the first choice from measured drafting cost is logged at the first step that does
         # not explore (when the model first knew drafting at an exploration, the line was lost)
         first = fitted and not self._fitted
-        if not explored and _tp_rank0() and (
-                first or ((batch, n) != self._logged and now - self._log_at > 10)):
+        if not explored and (first or ((batch, n) != self._logged and now - self._log_at > 10)
+                             ) and _tp_rank0():
             self._fitted |= fitted
             coef = self.policy.model.coefficients
             logger.info(
@@ -232,7 +237,8 @@ class AutoBudget:
         lookup = self.policy.lookup
         return "" if lookup is None else (f" (+ lookup where it pays: greedy "
                                           f"{lookup[GREEDY].said()}; sampled "
-                                          f"{lookup[SAMPLED].said()})")
+                                          f"{lookup[SAMPLED].said()}; greedy tokens beside it "
+                                          f"by head nodes {self.policy.beside.said()})")
 
     def tally(self) -> str:
         """What auto did so far, e.g. 'plain 812 steps (61.2 ms), head 40 steps (70.1 ms, by
@@ -348,6 +354,7 @@ class TreeDraftProposer:
         self.tree_mode = not self.spec.is_chain  # chains: vLLM's rejection sampler verifies
         self.num_layers = vllm_config.model_config.hf_text_config.num_hidden_layers
         self.head = None
+        self._where: tuple[int, ...] | None = None  # `features`: where each head layer is
         self.rates = None  # the head's acceptance_rates (static trees), set in load_model
         self.sessions: dict[str, object] = {}
         self.pending: dict[str, PendingPairs] = {}  # per request, pairs its session has not read
@@ -382,6 +389,7 @@ class TreeDraftProposer:
 
         use_vllm_gemm(head)  # CPU: vLLM's GEMM kernels (oneDNN/AMX) for the head's linears
         self.head = head
+        self._where = None  # `features` reads the loaded head's layers
         self.rates = head.tree_rates()
         if self.auto is not None:
             self.auto.chain_max = min(self.auto.chain_max, head.max_draft_depth or MAX_TREE_DEPTH)
@@ -406,10 +414,13 @@ class TreeDraftProposer:
 
     def features(self, hidden_states, aux_hidden_states, rows: torch.Tensor) -> torch.Tensor:
         """[len(rows), n*H]: the head's layers of the given scheduled rows, in head order."""
-        aux = dict(zip(self.aux_layer_ids, aux_hidden_states or (), strict=False))
-        parts = [hidden_states[rows] if i == self.num_layers else aux[i][rows]
-                 for i in self.layer_ids]
-        return torch.cat(parts, dim=-1)
+        where = self._where
+        if where is None:  # per layer the head reads: its index in aux_hidden_states, or -1
+            aux = self.aux_layer_ids
+            where = self._where = tuple(-1 if i == self.num_layers else aux.index(i)
+                                        for i in self.layer_ids)
+        aux = aux_hidden_states or ()
+        return torch.cat([hidden_states[rows] if k < 0 else aux[k][rows] for k in where], dim=-1)
 
     def spec_for(self, budget: int):
         """The spec to draft with when at most `budget` nodes will be scheduled: chains are
@@ -544,6 +555,12 @@ class TreeDraftProposer:
                         grafts[req_id] = match
                 if not n:  # lookup alone: only the requests that graft draft
                     eligible = [e for e in eligible if e[1] in grafts]
+                elif (len(grafts) == len(eligible) and n <= self.auto.chain_max
+                      and not any(r in sampling for r in grafts)):
+                    # every request grafts (greedy): the head budget worth drafting beside the
+                    # lookup, which may be smaller than the head alone's
+                    n = self.auto.policy.graft_budget(len(eligible), n,
+                                                      len(grafts) * self.spec.lookup)
             lookup = self.spec.lookup if grafts else 0
             budget = min(budget, n + lookup)
             spec = self.auto_spec(n, lookup) if budget else None

@@ -669,3 +669,36 @@ def test_a_lookup_graft_is_priced_at_no_less_than_measured():
     for _ in range(BudgetPolicy.MEASURED_MIN):
         policy.measured_step(16, 0, 0.040)
     assert policy.plain_seconds(16) == pytest.approx(0.040) and 0 not in policy.measured(16)
+
+
+def test_beside_lookup_the_head_drafts_the_budget_that_pays_there():
+    """Where every request grafts its lookup proposal (greedy), the head budget is chosen from
+    what each budget would have given beside the lookup on the same steps (counterfactual: a
+    chain of m nodes is a prefix of the one drafted): at batch 1, T=0 a 3-node chain was chosen
+    beside lookup where one node and the lookup were 7 % faster (session 33)."""
+    from treedraft.heads.cost import HeadBesideLookup
+
+    beside = HeadBesideLookup()
+    beside.add(3, a_head=2, a_lookup=1)
+    assert beside.tokens(1) is None  # too few steps
+    for _ in range(int(HeadBesideLookup.MIN_WEIGHT)):
+        beside.add(3, a_head=2, a_lookup=1)
+    assert [round(beside.tokens(m), 6) for m in range(4)] == [2.0, 2.0, 3.0, 3.0]
+    assert beside.tokens(4) is None  # never drafted: not known
+
+    lengths = expected_lengths(RATES, 4, chain=True)
+    policy = BudgetPolicy(lengths, lookup=True)
+    policy.model = fitted(0.030, 0.001, 0.002, 0.002)  # batch 1 on a CPU: a node ~4 ms of 31
+    assert policy.graft_budget(1, 3, 4) == 3  # nothing measured beside lookup: the head's own
+    for _ in range(10):  # the lookup's 3-4 accepted tokens cover what the head's 2nd/3rd add
+        policy.observe_beside(3, a_head=3, a_lookup=4)
+        policy.observe_beside(3, a_head=1, a_lookup=3)
+    answers = [policy.graft_budget(1, 3, 4) for _ in range(2 * BudgetPolicy.GRAFT_REFRESH)]
+    assert answers.count(3) == 2 and set(answers) == {1, 3}, answers  # every 8th: refresh
+    assert policy.graft_budget(1, 1, 4) == 1  # nothing below one node to choose
+    deep = BudgetPolicy(lengths, lookup=True)
+    deep.model = policy.model
+    for _ in range(10):  # the lookup misses, the head's chain is accepted whole
+        deep.observe_beside(3, a_head=3, a_lookup=0)
+    assert all(deep.graft_budget(1, 3, 4) == 3 for _ in range(20))
+    assert BudgetPolicy(lengths).graft_budget(1, 3, 4) == 3  # lookup not in the spec
