@@ -429,35 +429,46 @@ class HeadBesideLookup:
     accepted path follows the head's chain for `a_head` nodes and the lookup's for `a_lookup`
     (a node both proposed counts for both; once the path leaves a chain it never returns to
     it), and a chain of m <= n nodes is a prefix of the one drafted, so with m head nodes that
-    step would have given 1 + max(min(a_head, m), a_lookup) tokens. One step measures every
-    budget up to the one drafted, on the same text: budgets chosen at different places of a
-    reply are not compared (lookup grafts where the reply repeats itself, where a head node
-    beyond the first adds little: at batch 1, T=0 `auto` drafted 3 head nodes beside lookup
-    where `chain:1+lookup:4` was 7 % faster, session 33). Decayed sums per budget, each decayed
-    when it is measured (a budget not drafted lately keeps what it measured)."""
+    step would have given 1 + max(min(a_head, m), a_lookup) tokens. Budgets up to n are
+    compared on the steps that drafted n or more only, the same steps for every budget:
+    budgets measured at different places of a reply are never compared (lookup grafts where
+    the reply repeats itself, and there a head node beyond the first adds little: at batch 1,
+    T=0 `auto` drafted 3 head nodes beside lookup where `chain:1+lookup:4` was 7 % faster,
+    session 33; pooled per budget instead, a 4th node measured on other steps looked worth
+    +1.1 tokens, session 34). Decayed sums per budget drafted, each decayed when that budget
+    is drafted again."""
 
-    MIN_WEIGHT = 4.0  # a budget's estimate is used once this many (decayed) steps measured it
+    MIN_WEIGHT = 4.0  # (decayed) steps that drafted n or more before budgets up to n are compared
 
     def __init__(self, decay: float = 0.98) -> None:
         self.decay = decay
-        self._sums: dict[int, list[float]] = {}  # head budget -> [decayed steps, tokens]
+        # head budget drafted n -> [decayed steps, tokens with m = 0..n head nodes]
+        self._sums: dict[int, list[float]] = {}
 
     def add(self, drafted: int, a_head: int, a_lookup: int) -> None:
         """A grafted step drafted a head chain of `drafted` nodes (0: lookup alone) and accepted
         `a_head` of its nodes and `a_lookup` of the lookup's."""
-        for m in range(max(drafted, 0) + 1):
-            s = self._sums.setdefault(m, [0.0, 0.0])
-            s[0] = self.decay * s[0] + 1.0
-            s[1] = self.decay * s[1] + 1.0 + max(min(a_head, m), a_lookup)
+        n, d = max(drafted, 0), self.decay
+        s = self._sums.setdefault(n, [0.0] * (n + 2))
+        s[0] = d * s[0] + 1.0
+        for m in range(n + 1):
+            s[m + 1] = d * s[m + 1] + 1.0 + max(min(a_head, m), a_lookup)
 
-    def tokens(self, budget: int) -> float | None:
-        """Expected tokens of a grafted step with `budget` head nodes, or None (too few)."""
-        s = self._sums.get(budget)
-        return s[1] / s[0] if s is not None and s[0] >= self.MIN_WEIGHT else None
+    def tokens(self, budget: int) -> dict[int, float]:
+        """{m: expected tokens of a grafted step with m head nodes} for m = 0..`budget`, from
+        the steps that drafted `budget` nodes or more; {} while they weigh under MIN_WEIGHT."""
+        weight, tokens = 0.0, [0.0] * (budget + 1)
+        for n, s in self._sums.items():
+            if n >= budget:
+                weight += s[0]
+                for m in range(budget + 1):
+                    tokens[m] += s[m + 1]
+        return {m: t / weight for m, t in enumerate(tokens)} if weight >= self.MIN_WEIGHT else {}
 
     def said(self) -> str:
-        return " ".join(f"{m}:{t:.2f}" for m in sorted(self._sums)
-                        if (t := self.tokens(m)) is not None) or "-"
+        """What budgets 0..n give, n the largest budget with enough steps ("0:2.69 1:2.88")."""
+        n = max((n for n in self._sums if self.tokens(n)), default=None)
+        return "-" if n is None else " ".join(f"{m}:{t:.2f}" for m, t in self.tokens(n).items())
 
 
 class Acceptance:
@@ -485,13 +496,16 @@ class Acceptance:
         self._budgets: dict[int, list[float]] = {}  # budget -> [observed, expected] decayed
         self.version = 0  # observations added (what depends on them may be cached by it)
 
-    def add(self, expected_extra: float, observed_extra: float, budget: int | None = None
-            ) -> None:
+    def add(self, expected_extra: float, observed_extra: float, budget: int | None = None,
+            overall: bool = True) -> None:
+        """`overall=False`: `budget`'s own factor only (a counterfactual reading of a step
+        already counted at the budget it drafted)."""
         if expected_extra <= 0:
             return
         self.version += 1
-        self.observed = self.decay * self.observed + observed_extra
-        self.expected = self.decay * self.expected + expected_extra
+        if overall:
+            self.observed = self.decay * self.observed + observed_extra
+            self.expected = self.decay * self.expected + expected_extra
         if budget is not None:
             s = self._budgets.setdefault(budget, [0.0, 0.0])
             for b, t in self._budgets.items():
@@ -827,9 +841,9 @@ class BudgetPolicy:
         if self._graft_steps % self.GRAFT_REFRESH == 0:
             return n
         lengths = self.lengths()
+        tokens = self.beside.tokens(n)  # every budget up to n, on the same steps
         budgets = [m for m in lengths if 1 <= m <= n]
-        tokens = {m: self.beside.tokens(m) for m in budgets}
-        if n not in lengths or tokens.get(n) is None:
+        if n not in lengths or not tokens:
             return n
         rate = budget_rates(self.model, batch, {m: lengths[m] for m in budgets},
                             self.priced(batch))
@@ -838,17 +852,18 @@ class BudgetPolicy:
         def beside(m: int) -> float:  # tokens per second of budget m beside the lookup
             return batch * tokens[m] / (batch * lengths[m] / max(rate[m], 1e-12) + row)
 
-        known = sorted(m for m in budgets if tokens[m] is not None)
-        best = max(known, key=lambda m: (beside(m), -m))
+        best = max(budgets, key=lambda m: (beside(m), -m))
         return best if beside(best) > (1.0 + self.HYSTERESIS) * beside(n) else n
 
     def observe(self, expected_extra: float, observed_extra: float, sampled: bool = False,
-                budget: int | None = None) -> None:
+                budget: int | None = None, drafted: bool = True) -> None:
         """Drafts of requests of one class (`sampled`: T > 0) were verified: the head's table
         expected `expected_extra` tokens beyond the one a step always gives, they got
         `observed_extra`; `budget`: the head nodes each of them drafted (a key of the table),
-        whose own factor learns from it too (`Acceptance.at`)."""
-        self.acceptance[sampled].add(expected_extra, observed_extra, budget)
+        whose own factor learns from it too (`Acceptance.at`). `drafted=False`: what `budget`
+        would have got on steps that drafted a longer chain (greedy: a chain of `budget` nodes
+        is a prefix of it), which teaches that budget's own factor only."""
+        self.acceptance[sampled].add(expected_extra, observed_extra, budget, overall=drafted)
 
     def step_done(self, seconds: float, decode: int, prefill: int, verified: int,
                   drafted: int, drafting_seconds: float | None = None, requests: int = 0,

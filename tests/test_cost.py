@@ -680,11 +680,19 @@ def test_beside_lookup_the_head_drafts_the_budget_that_pays_there():
 
     beside = HeadBesideLookup()
     beside.add(3, a_head=2, a_lookup=1)
-    assert beside.tokens(1) is None  # too few steps
+    assert beside.tokens(3) == {}  # too few steps
     for _ in range(int(HeadBesideLookup.MIN_WEIGHT)):
         beside.add(3, a_head=2, a_lookup=1)
-    assert [round(beside.tokens(m), 6) for m in range(4)] == [2.0, 2.0, 3.0, 3.0]
-    assert beside.tokens(4) is None  # never drafted: not known
+    assert beside.tokens(3) == pytest.approx({0: 2.0, 1: 2.0, 2: 3.0, 3: 3.0})
+    assert beside.tokens(2) == pytest.approx({0: 2.0, 1: 2.0, 2: 3.0})  # drafting 3 measures 2
+    assert beside.tokens(4) == {}  # never drafted: not known
+    for _ in range(20):  # steps that drafted 4 on other text: compared only among themselves
+        beside.add(4, a_head=4, a_lookup=0)
+    assert beside.tokens(4) == pytest.approx({0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0, 4: 5.0})
+    three = beside.tokens(3)  # steps that drafted 3 or 4: every budget on the same steps
+    assert all(min(a, b) <= three[m] <= max(a, b)
+               for m, (a, b) in enumerate(zip([2, 2, 3, 3], [1, 2, 3, 4], strict=True)))
+    assert three[0] < 2.0 and three[3] > 3.0
 
     lengths = expected_lengths(RATES, 4, chain=True)
     policy = BudgetPolicy(lengths, lookup=True)

@@ -653,7 +653,49 @@ def test_auto_observes_greedy_and_sampled_requests_apart():
     assert lengths[2] == pytest.approx(3.0, abs=0.1), lengths
     assert auto.policy.lengths(1.0)[2] < 1.1
     assert auto.policy.acceptance[0].at([1, 2, 3])[3] == pytest.approx(
-        auto.policy.acceptance[0].at([2])[2])
+        auto.policy.acceptance[0].at([1, 2])[2])
+
+
+def test_auto_reads_every_shorter_greedy_chain_from_the_chain_drafted():
+    """A greedy request's chain of n head nodes says what every chain of m < n nodes would have
+    got on the same step (its prefix: min(accepted, m)); those budgets' own factors learn it,
+    the overall factor does not (it counts each step once). Not for sampled requests (a draw
+    accepts by chance) nor for trees (not prefixes of one another)."""
+    from types import SimpleNamespace
+
+    from treedraft.heads.tree import parse_tree_spec
+    from treedraft.plugin.proposer import AutoBudget
+
+    auto = AutoBudget(parse_tree_spec("dynamic:10,3,3"))
+    auto.set_rates(None)
+    table, greedy, sampled = auto.policy.table, *auto.policy.acceptance
+    step = SimpleNamespace(num_scheduled_tokens={"g": 4, "s": 4},
+                           scheduled_spec_decode_tokens={"g": [1, 2, 3], "s": [1, 2, 3]})
+    got = [0, 1, 3, 2, 3, 1]  # accepted drafts of g's 3-node chain, step by step
+    for k in got:
+        auto.choose(2, sampled=1)
+        auto.step_started()
+        auto.step_done(step, {"g": 3, "s": 3}, sampling={"s"})
+        auto.observe({"g": 1 + k, "s": 1})
+    for m in (1, 2):  # undecayed sums would be exact: compare the ratio observed / expected
+        o, e = greedy._budgets[m]
+        want = sum(min(k, m) for k in got) / (len(got) * (table[m] - 1.0))
+        assert o / e == pytest.approx(want, rel=0.05), (m, o, e)
+    assert 1 in greedy._budgets and 1 not in sampled._budgets and 2 not in sampled._budgets
+    # the overall factor counted the 3-node chain only, once a step (over its prior of 2)
+    d = greedy.decay
+    assert greedy.expected == pytest.approx(
+        2.0 * d ** len(got) + sum((table[3] - 1.0) * d ** i for i in range(len(got))))
+    tree = AutoBudget(parse_tree_spec("dynamic:10,3,3"))
+    tree.set_rates(None)
+    big = tree.chain_max + 2  # a tree of the head's: no counterfactual
+    tree.choose(1)
+    tree.step_started()
+    tree.step_done(SimpleNamespace(num_scheduled_tokens={"g": big + 1},
+                                   scheduled_spec_decode_tokens={"g": list(range(big))}),
+                   {"g": big})
+    tree.observe({"g": 3})
+    assert set(tree.policy.acceptance[0]._budgets) == {max(b for b in table if b <= big)}
 
 
 def test_auto_measures_a_budgets_step_where_every_request_verified_it():
