@@ -604,6 +604,9 @@ class BudgetPolicy:
         self._planned = None  # (what `_plan` read, what it answered)
         # (batch, budget) -> [steps it was chosen (not explorations), model step of the last]
         self._used: dict[tuple[int, int], list[int]] = {}
+        # batch -> decayed sums of lookup-only grafting steps (1, n, n^2, y, n*y: n grafts, y
+        # seconds over a plain step), [measurements, model step of the last] (`graft_cost`)
+        self._grafts: dict[int, list[float]] = {}
 
     @property
     def choice(self) -> int:
@@ -734,17 +737,66 @@ class BudgetPolicy:
         measured (`measured_step(batch, 0, ...)`), or None."""
         return self._mean((batch, 0))
 
-    def measured_graft(self, batch: int, seconds: float) -> None:
-        """A step at `batch` decoding requests that verified lookup-only grafts (no head node)
-        took `seconds` more per grafted request than a plain step there."""
-        self._measure(("graft", batch), seconds)
+    def measured_graft(self, batch: int, seconds: float, grafts: int = 1) -> None:
+        """A step at `batch` decoding requests that verified `grafts` lookup-only grafts (no head
+        node) took `seconds` more than a plain step there (`graft_cost`)."""
+        if batch < 1 or grafts < 1:
+            return
+        m = self._grafts.setdefault(batch, [0.0] * 5 + [0, 0])
+        d, n = self.MEASURED_DECAY, float(grafts)
+        for i, v in enumerate((1.0, n, n * n, seconds, n * seconds)):
+            m[i] = d * m[i] + v
+        m[5], m[6] = m[5] + 1, self.model.steps
+
+    def graft_cost(self, batch: int) -> tuple[float, float] | None:
+        """(seconds a step pays once for verifying any lookup-only graft, seconds per graft), a
+        least-squares line through the steps measured at `batch` (else at the nearest batch size
+        within NEAR x that has MEASURED_MIN of them, not stale), or None. Per graft alone the
+        price hid the step's own: at batch 16, T=0 a step verifying one graft cost ~10 ms more
+        than a plain one where the average over steps of 1-10 grafts priced a graft at ~6 ms,
+        and `auto` ran 0.956x no-spec on 562 grafting steps (session 34)."""
+        steps = self.model.steps
+        for b in sorted((b for b in self._grafts if batch / self.NEAR <= b <= batch * self.NEAR),
+                        key=lambda b: (abs(b - batch), b)):
+            m = self._grafts[b]
+            if m[5] < self.MEASURED_MIN or steps - m[6] > self.MEASURED_STALE:
+                continue
+            s0, s1, s2, t0, t1 = m[:5]
+            det = s0 * s2 - s1 * s1
+            if det <= 1e-6 * s0 * s2:  # one number of grafts a step: all of it per graft
+                return 0.0, t0 / s1
+            per = (s0 * t1 - s1 * t0) / det
+            once = (t0 - per * s1) / s0
+            if per < 0:
+                return t0 / s0, 0.0
+            if once < 0:
+                return 0.0, t1 / s2
+            return once, per
+        return None
 
     def graft_seconds(self, batch: int) -> float | None:
-        """What a lookup-only graft was measured to add to a step at `batch` requests, or None
-        (fewer than MEASURED_MIN measurements, or stale). A graft is priced at no less: at batch
-        16-32 on a 2-core CPU the fit priced one at ~3-5 ms where grafting steps took ~13-30 ms
-        more than plain ones, and 100-270 such steps made `auto` 0.95x no-spec (session 32)."""
-        return self._mean(("graft", batch))
+        """What one more lookup-only graft was measured to add to a step at `batch` requests
+        (`graft_cost`), or None. A graft is priced at no less: at batch 16-32 on a 2-core CPU
+        the fit priced one at ~3-5 ms where grafting steps took ~13-30 ms more than plain ones,
+        and 100-270 such steps made `auto` 0.95x no-spec (session 32)."""
+        cost = self.graft_cost(batch)
+        return None if cost is None else cost[1]
+
+    def grafts_pay(self, grafts: Sequence[tuple[int, bool]]) -> bool:
+        """Whether the lookup-only grafts `graft` took for a step that drafts no head node,
+        (match length, sampled) each, together pay what the step pays once for verifying any
+        (`graft_cost`): their extra tokens beat LOOKUP_TAKE x what the step's own rate makes
+        in their time."""
+        if not grafts or self._bar is None:
+            return bool(grafts)
+        cost = self.graft_cost(self._bar[3])
+        if cost is None or cost[0] <= 0:
+            return True
+        tokens = bar = 0.0
+        for match, sampled in grafts:
+            g, b = self._graft_value(match, sampled, 0)
+            tokens, bar = tokens + g, bar + b
+        return tokens > self.LOOKUP_TAKE * (bar + cost[0] * self._bar[2])
 
     def measured(self, batch: int) -> dict[int, float]:
         """budget -> seconds of a step at `batch` decoding requests that each verify and draft

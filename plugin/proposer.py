@@ -320,7 +320,7 @@ class AutoBudget:
                   and all(len(spec.get(r, ())) == k for r, k in lookup_only.items())
                   and (plain := self.policy.plain_seconds(decode)) is not None):
                 # only lookup-only grafts verified: what a graft adds to a plain step here
-                self.policy.measured_graft(decode, max(cycle - plain, 0.0) / len(lookup_only))
+                self.policy.measured_graft(decode, max(cycle - plain, 0.0), len(lookup_only))
             elif (len(budgets) == 1 and len(prev) == decode
                   and prev.keys() == scheduler_output.num_scheduled_tokens.keys()
                   and all(len(spec.get(r, ())) == n + lookup_only.get(r, 0)
@@ -564,7 +564,11 @@ class TreeDraftProposer:
                         yes = said[(match, cls)] = self.auto.policy.graft(match, cls, n)
                     if yes:
                         grafts[req_id] = match
-                if not n:  # lookup alone: only the requests that graft draft
+                if not n:  # lookup alone: only the requests that graft draft, and only where
+                    # together they pay what a step verifying any graft costs once
+                    if grafts and not self.auto.policy.grafts_pay(
+                            [(m, r in sampling) for r, m in grafts.items()]):
+                        grafts = {}
                     eligible = [e for e in eligible if e[1] in grafts]
                 elif (len(grafts) == len(eligible) and n <= self.auto.chain_max
                       and not any(r in sampling for r in grafts)):

@@ -652,7 +652,7 @@ def test_a_lookup_graft_is_priced_at_no_less_than_measured():
     """At batch 16-32 on the AMD EPYC (session 32) the degenerate fit priced a lookup-only graft
     at a few ms where grafting steps took ~13-30 ms more than plain ones: `auto` grafted on
     100-270 steps and ran 0.95x no-spec. What grafts were measured to add at a batch size is now
-    the least a graft there is priced at (`graft_seconds`); other batch sizes keep the fit's."""
+    the least a graft there is priced at (`graft_seconds`); batch sizes beyond 2x keep the fit's."""
     lengths = expected_lengths(RATES, 16, chain=False)
     policy = BudgetPolicy(lengths, lookup=True)
     policy.model = fitted(0.035, 0.0003, 0.0005, 0.01)  # head nodes dear, graft rows cheap
@@ -663,7 +663,7 @@ def test_a_lookup_graft_is_priced_at_no_less_than_measured():
     assert policy.graft_seconds(16) == pytest.approx(0.012)
     policy.choose(16)
     assert not policy.graft(4, head=0) and not policy.may_graft(range(1, 5), head=0)
-    policy.choose(8)  # nothing measured at batch 8: the fit's price
+    policy.choose(4)  # nothing measured at batch 4 nor within 2x of it: the fit's price
     assert policy.graft(4, head=0)
     # a plain step's measurement prices nothing by itself (budget 0 is not a measured budget)
     for _ in range(BudgetPolicy.MEASURED_MIN):
@@ -710,3 +710,32 @@ def test_beside_lookup_the_head_drafts_the_budget_that_pays_there():
         deep.observe_beside(3, a_head=3, a_lookup=0)
     assert all(deep.graft_budget(1, 3, 4) == 3 for _ in range(20))
     assert BudgetPolicy(lengths).graft_budget(1, 3, 4) == 3  # lookup not in the spec
+
+
+def test_a_step_pays_once_for_verifying_any_graft_and_grafts_must_pay_it_together():
+    """What grafting steps add over a plain one is fitted as a price the step pays once (its
+    tree step) plus one per graft: at batch 16, T=0 one graft's step cost ~10 ms more than a
+    plain one where the average over steps of 1-10 grafts priced a graft at ~6 ms (session 34).
+    Lookup-only grafts are then taken only where together they pay the step's price too."""
+    lengths = expected_lengths(RATES, 16, chain=False)
+    policy = BudgetPolicy(lengths, lookup=True)
+    policy.model = fitted(0.035, 0.0003, 0.0005, 0.01)  # head nodes dear, graft rows cheap
+    for n in [1, 2, 4, 1, 8, 3]:  # 8 ms once + 1 ms per graft
+        policy.measured_graft(16, 0.008 + 0.001 * n, n)
+    assert policy.graft_cost(16) == pytest.approx((0.008, 0.001))
+    assert policy.graft_seconds(16) == pytest.approx(0.001)
+    assert policy.graft_cost(12) == pytest.approx((0.008, 0.001))  # the nearest within 2x
+    assert policy.graft_cost(4) is None
+    assert policy.choose(16)[0] == 0 and policy.graft(4, head=0)  # one graft: its own price pays
+    for _ in range(50):  # 4-node proposals at match length 4 earn 2.5 tokens
+        policy.observe_lookup(4, 4, 2.5)
+    policy.choose(16)
+    assert policy.graft(4, head=0)
+    assert not policy.grafts_pay([(4, False)])  # but not the step's 8 ms too
+    assert policy.grafts_pay([(4, False)] * 8)  # eight of them do
+    assert policy.grafts_pay([]) is False
+    steady = BudgetPolicy(lengths, lookup=True)  # one graft a step, always: all of it per graft
+    steady.model = policy.model
+    for _ in range(BudgetPolicy.MEASURED_MIN):
+        steady.measured_graft(16, 0.012, 1)
+    assert steady.graft_cost(16) == pytest.approx((0.0, 0.012))

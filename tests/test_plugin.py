@@ -805,7 +805,7 @@ def test_auto_measures_plain_steps_and_what_lookup_grafts_add():
     auto.set_rates(None)
     plain, grafts = [], []
     auto.policy.measured_step = lambda b, n, s: plain.append((b, n, s))
-    auto.policy.measured_graft = lambda b, s: grafts.append((b, s))
+    auto.policy.measured_graft = lambda b, s, n: grafts.append((b, s / n))
     auto.policy.plain_seconds = lambda b: 0.010 if b == 2 else None
     auto.policy.step_done = lambda *a, **k: None
 
