@@ -438,7 +438,8 @@ class HeadBesideLookup:
     +1.1 tokens, session 34). Decayed sums per budget drafted, each decayed when that budget
     is drafted again."""
 
-    MIN_WEIGHT = 4.0  # (decayed) steps that drafted n or more before budgets up to n are compared
+    # (decayed) grafted requests' steps that drafted n or more before budgets up to n compare
+    MIN_WEIGHT = 4.0
 
     def __init__(self, decay: float = 0.98) -> None:
         self.decay = decay
@@ -508,7 +509,9 @@ class Acceptance:
             self.expected = self.decay * self.expected + expected_extra
         if budget is not None:
             s = self._budgets.setdefault(budget, [0.0, 0.0])
-            for b, t in self._budgets.items():
+            for b, t in self._budgets.items():  # (a counterfactual reading fades its own only:
+                if b != budget and not overall:  # one step gives up to CHAIN_MAX of them)
+                    continue
                 d = self.decay if b == budget else self.STALE_DECAY
                 t[0], t[1] = d * t[0], d * t[1]
             s[0], s[1] = s[0] + observed_extra, s[1] + expected_extra
@@ -763,7 +766,7 @@ class BudgetPolicy:
                 continue
             s0, s1, s2, t0, t1 = m[:5]
             det = s0 * s2 - s1 * s1
-            if det <= 1e-6 * s0 * s2:  # one number of grafts a step: all of it per graft
+            if det <= 0.01 * s0 * s2:  # (about) one number of grafts a step: all per graft
                 return 0.0, t0 / s1
             per = (s0 * t1 - s1 * t0) / det
             once = (t0 - per * s1) / s0
@@ -882,7 +885,7 @@ class BudgetPolicy:
     def graft_budget(self, batch: int, n: int, lookup_rows: int) -> int:
         """The head budget for a step of `batch` greedy requests that all graft lookup
         (`lookup_rows` lookup nodes in all) where the head alone would draft `n` (`choose`): the
-        budget m <= n with the most tokens per second beside the lookup (`HeadBesideLookup`,
+        budget 1 <= m <= n with the most tokens per second beside the lookup (`HeadBesideLookup`,
         each budget priced as `_plan` prices it, plus the lookup rows at the fitted price of a
         verified row), unless it beats n by no more than HYSTERESIS; n where what a budget
         gives is not known yet, and every GRAFT_REFRESH-th such step (the budgets up to n are
@@ -905,7 +908,15 @@ class BudgetPolicy:
             return batch * tokens[m] / (batch * lengths[m] / max(rate[m], 1e-12) + row)
 
         best = max(budgets, key=lambda m: (beside(m), -m))
-        return best if beside(best) > (1.0 + self.HYSTERESIS) * beside(n) else n
+        if best == n or beside(best) <= (1.0 + self.HYSTERESIS) * beside(n):
+            return n
+        # the step counts as one at the budget drafted, not n (climbing: `_plan`)
+        used = self._used.get((batch, n))
+        if used is not None and used[0] > 0:
+            used[0] -= 1
+        used = self._used.setdefault((batch, best), [0, 0])
+        used[0], used[1] = used[0] + 1, self.model.steps
+        return best
 
     def observe(self, expected_extra: float, observed_extra: float, sampled: bool = False,
                 budget: int | None = None, drafted: bool = True) -> None:

@@ -118,6 +118,7 @@ class AutoBudget:
         # req_id -> (match length, lookup-only nodes) of the lookup it grafted last step
         self._grafted: dict[str, tuple[int, int]] = {}
         self._sampling: set[str] = set()  # requests of last step that sample (T > 0)
+        self._chain = True  # the head's drafts of last step were a chain
         self._logged: tuple[int, int] | None = None
         self._log_at = 0.0
         self._fitted = False
@@ -171,7 +172,8 @@ class AutoBudget:
                 match, nodes = self._grafted[req_id]
                 self.policy.observe_lookup(match, nodes, bits.count(LOOKUP), sampled=cls)
                 drafted = self._drafted.get(req_id, 0)
-                if path is not None and src is not None and not cls and drafted <= self.chain_max:
+                if (path is not None and src is not None and not cls and self._chain
+                        and drafted <= self.chain_max):
                     # greedy, a head chain (or none) beside the lookup: what each head budget up
                     # to the one drafted would have given here (heads.cost.HeadBesideLookup)
                     self.policy.observe_beside(drafted, sum(1 for b in bits if b & HEAD),
@@ -180,8 +182,8 @@ class AutoBudget:
                 key = (cls, max(b for b in table if b <= n))
                 expected[key] += table[key[1]] - 1.0
                 observed[key] += got
-                if not cls and n <= self.chain_max:  # a greedy chain: a chain of m < n nodes
-                    for m in table:  # is its prefix and would have got min(got, m) here
+                if not cls and self._chain and n <= self.chain_max:  # a greedy chain: m < n
+                    for m in table:  # nodes are its prefix and would have got min(got, m)
                         if 1 <= m < key[1]:
                             shorter[m][0] += table[m] - 1.0
                             shorter[m][1] += min(got, m)
@@ -269,7 +271,7 @@ class AutoBudget:
     def step_done(self, scheduler_output, drafted: dict[str, int], catch_up: float = 0.0,
                   drafting: float | None = None,
                   grafted: dict[str, tuple[int, int]] | None = None,
-                  sampling: set[str] | None = None) -> None:
+                  sampling: set[str] | None = None, chain: bool = True) -> None:
         """The step that ends now: the worker's time since `step_started` plus the median gap
         between steps (idle time between requests never counts), less `catch_up` (seconds its
         head commits spent on pairs of earlier steps: the lazy commits a request's first drafting
@@ -278,7 +280,8 @@ class AutoBudget:
         how many requests had drafts verified), and the head nodes drafted per request;
         `drafting`: the seconds of this step's drafting phase (catch-up excluded), fitted on
         their own (heads/cost.py); `grafted`: requests that grafted lookup this step -> (match
-        length, lookup-only nodes); `sampling`: the requests of this step that sample (T > 0)."""
+        length, lookup-only nodes); `sampling`: the requests of this step that sample (T > 0);
+        `chain`: the head's drafts were a chain (not a tree cut to a few nodes)."""
         now = time.perf_counter()
         kind = ("explore" if self.exploring else "head" if drafted else
                 "lookup" if grafted else "plain")
@@ -334,6 +337,7 @@ class AutoBudget:
         self._start, self._last_end = None, now
         self._drafted, self._grafted = drafted, grafted or {}
         self._sampling = sampling or set()
+        self._chain = chain
         self.exploring = False  # until `choose` plans the next exploration
 
 
@@ -674,7 +678,8 @@ class TreeDraftProposer:
                 if req_id in grafts:
                     grafted[req_id] = (grafts[req_id], len(d) - head)
             self.auto.step_done(scheduler_output, heads, catch_up,
-                                time.perf_counter() - t_drafting - catch_up, grafted, sampling)
+                                time.perf_counter() - t_drafting - catch_up, grafted, sampling,
+                                chain=not spec.has_head or spec.head_spec.is_chain)
         self.last_draft_probs = self._draft_probs(runner, drafts, probs) if probs else None
         if probs:
             logger.info_once(

@@ -703,6 +703,7 @@ def test_beside_lookup_the_head_drafts_the_budget_that_pays_there():
         policy.observe_beside(3, a_head=1, a_lookup=3)
     answers = [policy.graft_budget(1, 3, 4) for _ in range(2 * BudgetPolicy.GRAFT_REFRESH)]
     assert answers.count(3) == 2 and set(answers) == {1, 3}, answers  # every 8th: refresh
+    assert policy._used[(1, 1)][0] == answers.count(1)  # climbing counts the budget drafted
     assert policy.graft_budget(1, 1, 4) == 1  # nothing below one node to choose
     deep = BudgetPolicy(lengths, lookup=True)
     deep.model = policy.model
@@ -739,3 +740,20 @@ def test_a_step_pays_once_for_verifying_any_graft_and_grafts_must_pay_it_togethe
     for _ in range(BudgetPolicy.MEASURED_MIN):
         steady.measured_graft(16, 0.012, 1)
     assert steady.graft_cost(16) == pytest.approx((0.0, 0.012))
+
+
+def test_a_counterfactual_reading_teaches_its_budget_only():
+    """What a shorter chain would have got on a step (`overall=False`) teaches that budget's own
+    factor; the overall factor and the other budgets' readings are left as they were (a step
+    gives up to CHAIN_MAX such readings: fading the others at each would age them that many
+    times faster)."""
+    from treedraft.heads.cost import Acceptance
+
+    a = Acceptance()
+    a.add(1.0, 1.0, budget=3)
+    three, overall = list(a._budgets[3]), (a.observed, a.expected)
+    a.add(1.0, 0.5, budget=1, overall=False)
+    assert a._budgets[3] == three and (a.observed, a.expected) == overall
+    assert a._budgets[1] == pytest.approx([0.5, 1.0])
+    a.add(1.0, 1.0, budget=3)  # a reading of the drafted budget fades the others as before
+    assert a._budgets[1] == pytest.approx([0.5 * a.STALE_DECAY, a.STALE_DECAY])

@@ -827,3 +827,40 @@ def test_auto_measures_plain_steps_and_what_lookup_grafts_add():
     step({"a": 1, "b": 1, "c": 1}, {}, grafted={"a": (3, 2)})
     step({"a": 3, "b": 1, "c": 1}, {"a": [1, 2]})  # batch 3: no plain step measured there
     assert len(grafts) == 1
+
+
+def test_auto_reads_the_head_beside_a_grafted_lookup_from_the_accepted_path():
+    """A greedy request that grafted lookup beside a head chain: the accepted path's HEAD and
+    LOOKUP bits say how deep it followed each, and so what every head budget up to the one
+    drafted would have given there (`HeadBesideLookup`); not for sampled requests, nor for a
+    head tree (not a chain: its smaller budgets are not its prefixes)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from treedraft.heads.lookup import HEAD, LOOKUP
+    from treedraft.heads.tree import parse_tree_spec
+    from treedraft.plugin.proposer import AutoBudget
+
+    # root, a node both proposed, the head's 2nd node, then the lookup's 2nd and 3rd nodes
+    sources = torch.tensor([0, HEAD | LOOKUP, HEAD, LOOKUP, LOOKUP], dtype=torch.int8)
+    step = SimpleNamespace(num_scheduled_tokens={"g": 5, "s": 5},
+                           scheduled_spec_decode_tokens={"g": [1, 2, 3, 4], "s": [1, 2, 3, 4]})
+
+    def run(chain: bool) -> AutoBudget:
+        auto = AutoBudget(parse_tree_spec("dynamic:10,3,3+lookup:4"))
+        auto.set_rates(None)
+        for _ in range(5):
+            auto.choose(2, sampled=1)
+            auto.step_started()
+            auto.step_done(step, {"g": 2, "s": 2}, grafted={"g": (4, 2), "s": (4, 2)},
+                           sampling={"s"}, chain=chain)
+            auto.observe({"g": 4, "s": 4}, accepted={"g": [1, 3, 4], "s": [1, 3, 4]},
+                         sources={"g": sources, "s": sources})
+        return auto
+
+    beside = run(chain=True).policy.beside
+    # a_head = 1, a_lookup = 3: 1 + max(min(1, m), 3) = 4 tokens for m = 0, 1, 2 (one request)
+    assert beside.tokens(2) == pytest.approx({0: 4.0, 1: 4.0, 2: 4.0})
+    assert set(beside._sums) == {2}  # the greedy request's only; drafted 2 head nodes
+    assert run(chain=False).policy.beside._sums == {}
