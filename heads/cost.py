@@ -820,7 +820,7 @@ class BudgetPolicy:
         if here or batch < 1:
             return here
         sizes = {b for (b, n) in self._measured
-                 if isinstance(b, int) and b != batch and n >= 1
+                 if b != batch and n >= 1
                  and batch / self.NEAR <= b <= batch * self.NEAR}
         for near in sorted(sizes, key=lambda b: (abs(b - batch), b)):
             there = self.measured(near)
@@ -853,8 +853,7 @@ class BudgetPolicy:
         down = [b for b in self.table if b < n]
         if self._since < self.interval or not (up or down):
             if n:
-                used = self._used.setdefault((batch, n), [0, 0])
-                used[0], used[1] = used[0] + 1, self.model.steps
+                self._use(batch, n)
             return n, False
         self._since, self.interval = 0, min(2 * self.interval, self.EXPLORE_MAX)
         self._up = not self._up if (up and down) else bool(up)
@@ -914,9 +913,13 @@ class BudgetPolicy:
         used = self._used.get((batch, n))
         if used is not None and used[0] > 0:
             used[0] -= 1
-        used = self._used.setdefault((batch, best), [0, 0])
-        used[0], used[1] = used[0] + 1, self.model.steps
+        self._use(batch, best)
         return best
+
+    def _use(self, batch: int, n: int) -> None:
+        """A step at `batch` drafted `n` head nodes by choice (climbing, `_plan`)."""
+        used = self._used.setdefault((batch, n), [0, 0])
+        used[0], used[1] = used[0] + 1, self.model.steps
 
     def observe(self, expected_extra: float, observed_extra: float, sampled: bool = False,
                 budget: int | None = None, drafted: bool = True) -> None:
