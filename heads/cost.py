@@ -65,6 +65,10 @@ the choice changes. A choice verifies at most about twice the rows a measured st
 larger budgets are reached step by step. Where no plain step was measured for a while, an exploration down drafts
 nothing: the model's plain steps must be of the machine as it is now (a start-up stall left
 slow plain steps beside fast drafting ones and every row looked free, `StepCostModel`).
+
+Above the policy, `OutcomeGuard` checks what it realized: per batch size, windows of the
+policy's own steps and windows of plain steps (nothing drafted) are compared by tokens per
+second as they came out, and the arm that realized more runs, the other probed now and then.
 """
 
 from __future__ import annotations
@@ -472,6 +476,120 @@ class HeadBesideLookup:
         return "-" if n is None else " ".join(f"{m}:{t:.2f}" for m, t in self.tokens(n).items())
 
 
+class OutcomeGuard:
+    """Whether `auto` drafts at all at a batch size, from what its drafting realized there
+    against drafting nothing: the check behind "never slower" that no estimate can give.
+
+    The policy prices budgets and grafts from fitted and measured step costs and observed
+    acceptance; each piece is an estimate, and where drafting earns about what it costs their
+    errors decide. At batch 16, T=0 on the 2-core AMD EPYC `auto` ran 0.96-0.98x no-spec with
+    every estimate saying its grafts and one-node steps paid (session 34). So steps run in
+    windows of WINDOW steps per (batch size, mostly sampled) key, each window either `auto`'s
+    own (ON: the policy chooses) or plain (OFF: nothing drafted, no lookup), and each arm's
+    realized tokens per second (its steps' tokens over their seconds, older windows fading by
+    DECAY) decides which arm leads. The leading arm runs; the other is probed for one window
+    after `interval` windows of the leader, an interval that starts at PROBE_MIN, doubles up to
+    PROBE_CLOSE while probes confirm the leader, returns to PROBE_MIN when the lead changes or
+    a probe window alone beat the leader (its mean lags: conditions may have changed), and is
+    PROBE_MAX at once where one arm leads by CLEAR or more (batch 1: ~1.8x, one plain window
+    per ~1,000 steps). ON runs FIRST windows before its first comparison: the policy learns in them.
+    Where the arms realize about the same, the probing costs about nothing; where they differ,
+    the probes are rare. The caller records only steps whose drafts and verification both ran
+    under one arm, with no prefill rows (`record`)."""
+
+    WINDOW = 16
+    FIRST = 4
+    # windows of the leader between probes: from PROBE_MIN, doubling up to PROBE_CLOSE where
+    # the arms are within CLEAR of each other, PROBE_MAX where one leads by CLEAR or more
+    PROBE_MIN, PROBE_CLOSE, PROBE_MAX = 4, 16, 64
+    CLEAR = 1.2
+    DECAY = 0.7
+
+    def __init__(self) -> None:
+        # key -> {"arm": bool, "left": steps, "window": [tokens, seconds], "sums": {arm: [tokens,
+        # seconds]}, "windows": {arm: n}, "lead": bool | None, "interval": n, "since": n}
+        self._state: dict = {}
+        self.probes = 0  # windows run by the arm that did not lead
+
+    def _get(self, key) -> dict:
+        st = self._state.get(key)
+        if st is None:
+            st = self._state[key] = {
+                "arm": True, "left": self.WINDOW, "window": [0.0, 0.0],
+                "sums": {True: [0.0, 0.0], False: [0.0, 0.0]}, "windows": {True: 0, False: 0},
+                "lead": None, "interval": self.PROBE_MIN, "since": 0}
+        return st
+
+    def allows(self, key) -> bool:
+        """Whether `auto`'s policy chooses this step's drafts at `key` (else nothing is
+        drafted): the arm of the current window there."""
+        return self._get(key)["arm"]
+
+    def rate(self, key, arm: bool) -> float | None:
+        """Realized tokens per second of `arm` at `key` (decayed windows), or None."""
+        st = self._state.get(key)
+        if st is None or not st["windows"][arm]:
+            return None
+        tokens, seconds = st["sums"][arm]
+        return tokens / seconds if seconds > 0 else None
+
+    def record(self, key, tokens: float, seconds: float, arm: bool) -> None:
+        """A step at `key` under `arm` (its drafts and their verification both) gave `tokens`
+        in `seconds`; a step of another arm than the current window's is ignored."""
+        st = self._get(key)
+        if arm != st["arm"] or seconds <= 0:
+            return
+        st["window"][0] += tokens
+        st["window"][1] += seconds
+        st["left"] -= 1
+        if st["left"] <= 0:
+            self._close(st)
+
+    def _close(self, st: dict) -> None:
+        arm, (tokens, seconds) = st["arm"], st["window"]
+        total = st["sums"][arm]
+        total[0], total[1] = self.DECAY * total[0] + tokens, self.DECAY * total[1] + seconds
+        st["windows"][arm] += 1
+        st["window"], st["left"] = [0.0, 0.0], self.WINDOW
+        if not st["windows"][False]:  # no plain window yet: ON learns first, then one probe
+            if st["windows"][True] >= self.FIRST:
+                st["arm"] = False
+                self.probes += 1
+            return
+        on, off = (total_t / total_s for total_t, total_s in (st["sums"][True], st["sums"][False]))
+        lead = on > off
+        ratio = max(on, off) / max(min(on, off), 1e-12)
+        # the probe window alone beat the leader: conditions changed, or noise; probe soon
+        surprise = arm != st["lead"] and st["lead"] is not None and (
+            tokens / seconds > (on if st["lead"] else off) if seconds > 0 else False)
+        if lead != st["lead"] or surprise:  # a new leader (or a surprise): check again soon
+            st["interval"], st["since"] = self.PROBE_MIN, 0
+        elif arm != lead:  # a probe confirmed the leader
+            st["interval"] = min(2 * st["interval"], self.PROBE_CLOSE)
+        if ratio >= self.CLEAR and not surprise:
+            st["interval"] = self.PROBE_MAX
+        st["lead"] = lead
+        if arm == lead:
+            st["since"] += 1
+        if arm == lead and st["since"] >= st["interval"]:
+            st["arm"], st["since"] = not lead, 0
+            self.probes += 1
+        else:
+            st["arm"] = lead
+
+    def said(self) -> str:
+        """e.g. '16: auto 1.03x plain (5/2 windows, auto leads)' per key with both arms."""
+        parts = []
+        for key, st in sorted(self._state.items(), key=lambda kv: str(kv[0])):
+            on, off = self.rate(key, True), self.rate(key, False)
+            if on is None or off is None:
+                continue
+            parts.append(f"{key}: auto {on / off:.2f}x plain ({st['windows'][True]}/"
+                         f"{st['windows'][False]} windows, {'auto' if st['lead'] else 'plain'} "
+                         f"leads)")
+        return ", ".join(parts) or "-"
+
+
 class Acceptance:
     """How the head accepts in this engine against what its rate table promises: kappa =
     observed extra tokens / expected extra tokens (decayed sums with a prior of 1), so that
@@ -590,6 +708,8 @@ class BudgetPolicy:
                        ) if lookup else None
         # greedy requests that graft: tokens per head budget beside the lookup
         self.beside = HeadBesideLookup() if lookup else None
+        # per batch size: `auto`'s drafting against plain steps, as realized
+        self.guard = OutcomeGuard()
         self._graft_steps = 0  # steps `graft_budget` answered (GRAFT_REFRESH)
         self._sampled = 0.0  # the share of sampled requests in the step planned last
         self.interval = self.EXPLORE_MIN

@@ -127,20 +127,28 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x.float() * cos + rotated * sin).to(x.dtype)
 
 
-def one_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-    """Attention of ONE query per head, q [1, nh, 1, D], over k, v [1, nkv, S, D] (grouped
-    query heads: head h reads kv head h // (nh / nkv)), mask bool [1, S] or None: the serving
-    sessions' most frequent call. Grouped matmuls in float32, no repeated K/V; torch's CPU
-    `scaled_dot_product_attention` took 180-560 us for one query where two matmuls take 70-140
-    (2-core CPU, bf16, 300-1000 keys; two queries or more it is faster than the matmuls)."""
-    _, nh, _, d = q.shape
+def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """Attention of a few queries per head, q [1, nh, T, D], over k, v [1, nkv, S, D] (grouped
+    query heads: head h reads kv head h // (nh / nkv)), mask bool [T, S] or [1, S] (True =
+    attend) or None: the serving sessions' calls (a decode commit, a tree level). Two grouped
+    matmuls in float32 against the session cache's float32 K/V: nothing is repeated or converted
+    but the queries. On a 2-core CPU (bf16 head, 9 query / 3 kv heads) per call at 400 keys:
+    77 us for one query and 86 for two, where SDPA over repeated bf16 K/V took 289 and 149 and
+    converting a bf16 cache to float32 first 144 and 152 (session 35)."""
+    _, nh, T, d = q.shape
     nkv, S = k.shape[1], k.shape[2]
-    scores = torch.bmm(q.reshape(nkv, nh // nkv, d).float(),
-                       k[0].float().transpose(1, 2)) * d ** -0.5  # [nkv, groups, S]
+    groups = nh // nkv
+    qf = q.reshape(nkv, groups * T, d).to(k.dtype)  # [nkv, groups*T, D]: (group, query) rows
+    scores = torch.bmm(qf, k[0].transpose(1, 2)) * d ** -0.5  # [nkv, groups*T, S]
     if mask is not None:
-        scores = scores.masked_fill(~mask.reshape(1, 1, S), float("-inf"))
-    out = torch.bmm(scores.softmax(-1), v[0].float())  # [nkv, groups, D]
-    return out.reshape(1, nh, 1, d).to(q.dtype)
+        scores = scores.view(nkv, groups, T, S).masked_fill(~mask.reshape(-1, S), float("-inf"))
+    out = torch.bmm(scores.view(nkv, groups * T, S).softmax(-1), v[0])  # [nkv, groups*T, D]
+    return out.reshape(1, nh, T, d).to(q.dtype)
+
+
+# packed segments with more queries than this run SDPA (a prompt's commit); fewer, the grouped
+# matmuls (`grouped_attention`: ~2x faster at 1-4 queries on the 2-core CPU, session 35)
+GROUPED_MAX_QUERIES = 16
 
 
 class DecoderLayer(nn.Module):
@@ -200,12 +208,13 @@ class DecoderLayer(nn.Module):
         `seg.at`, attention over the cache's first at+T slots under `seg.mask` [T, at+T]."""
         lo, hi = seg.lo, seg.hi
         keys, values = seg.cache.write(seg.at, k[:, :, lo:hi], v[:, :, lo:hi])
+        if hi - lo <= GROUPED_MAX_QUERIES:  # a decode commit, a tree level: grouped matmuls
+            return grouped_attention(q[:, :, lo:hi], keys, values, seg.mask)
         groups = self.c.num_attention_heads // self.c.num_key_value_heads
-        if hi - lo == 1:  # one query (a decode commit, a chain's level): two small matmuls
-            return one_query_attention(q[:, :, lo:hi], keys, values, seg.mask)
         keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
         mask = None if seg.mask is None else seg.mask[None, None]
-        return F.scaled_dot_product_attention(q[:, :, lo:hi], keys, values, attn_mask=mask)
+        return F.scaled_dot_product_attention(q[:, :, lo:hi].to(keys.dtype), keys, values,
+                                              attn_mask=mask).to(q.dtype)
 
     def forward(self, x: Tensor, positions: Tensor, past_kv=None, attn_mask=None, packed=None):
         return self.forward_from(self.attn_norm(x), x, positions, past_kv, attn_mask, packed)
@@ -341,8 +350,12 @@ class Segment:
 
 
 class KVCache:
-    """One session's head K/V, [1, Hkv, capacity, D] each: written in place, grown by doubling
-    (a draft step copies nothing but the new tokens' K/V)."""
+    """One session's head K/V, [1, Hkv, capacity, D] each, in float32 whatever the head's dtype
+    (a bf16 head's K/V are stored exactly; attention reads them without converting the whole
+    cache every call): written in place, grown by doubling (a draft step copies nothing but the
+    new tokens' K/V)."""
+
+    DTYPE = torch.float32
 
     def __init__(self) -> None:
         self.k: Tensor | None = None
@@ -351,11 +364,11 @@ class KVCache:
     def write(self, at: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store k, v [1, Hkv, T, D] at slots at..at+T-1; views of slots 0..at+T-1."""
         end = at + k.shape[2]
-        if self.k is None or end > self.k.shape[2] or self.k.dtype != k.dtype:
+        if self.k is None or end > self.k.shape[2]:
             cap = max(end, 64, 2 * (0 if self.k is None else self.k.shape[2]))
             old = (self.k, self.v)
-            self.k = k.new_empty(1, k.shape[1], cap, k.shape[3])
-            self.v = v.new_empty(1, v.shape[1], cap, v.shape[3])
+            self.k = k.new_empty(1, k.shape[1], cap, k.shape[3], dtype=self.DTYPE)
+            self.v = v.new_empty(1, v.shape[1], cap, v.shape[3], dtype=self.DTYPE)
             if old[0] is not None and at:
                 self.k[:, :, :at] = old[0][:, :, :at]
                 self.v[:, :, :at] = old[1][:, :, :at]

@@ -135,6 +135,13 @@ class AutoBudget:
         self.steps: dict[str, int] = defaultdict(int)
         self.seconds: dict[str, float] = defaultdict(float)
         self.nodes: dict[int, int] = defaultdict(int)  # "head" steps by head nodes per request
+        # the outcome guard (heads.cost.OutcomeGuard): the key and arm (True: the policy chose)
+        # of this step's drafting (None: no decision, nothing could draft), last step's, and
+        # the tokens the step being finished gave (`observe`)
+        self._arm: tuple | None = None
+        self._last_arm: tuple | None = None
+        self._tokens = 0
+        self.held = 0  # steps the guard held plain (nothing drafted where the policy might have)
 
     def set_rates(self, rates) -> None:
         from treedraft.heads.cost import BudgetPolicy, expected_lengths
@@ -158,6 +165,7 @@ class AutoBudget:
         grafted, the head's nodes it agreed with would have been accepted without them, and
         counted for the head they made more head nodes look worth drafting (SmolLM2 at batch
         1: two nodes measured x1.32 of the table where one measured x0.80, session 20)."""
+        self._tokens = sum(sampled.values())
         table = self.policy.table
         # (temperature class: greedy / sampled, budget of the head's table) -> extra tokens
         expected, observed = defaultdict(float), defaultdict(float)
@@ -208,6 +216,16 @@ class AutoBudget:
         if checked and 1 in self.policy.table:
             self.policy.observe(checked * (self.policy.table[1] - 1.0), float(hits), budget=1)
             self.teacher_checks += checked
+
+    def allows(self, batch: int, sampled: int = 0) -> bool:
+        """Whether the policy chooses this step's drafts (`choose`, grafts) for `batch` drafting
+        requests, `sampled` of them sampling; False: the outcome guard holds the step plain
+        (heads.cost.OutcomeGuard), nothing is drafted."""
+        key = (batch, 2 * sampled > batch)
+        arm = self.policy.guard.allows(key)
+        self._arm = (key, arm)
+        self.held += not arm
+        return arm
 
     def choose(self, batch: int, sampled: int = 0) -> tuple[int, int | None]:
         """(head node budget, how many of the `batch` requests draft: None for all; an
@@ -260,7 +278,9 @@ class AutoBudget:
                  + (f", by nodes {' '.join(f'{n}:{c}' for n, c in sorted(self.nodes.items()))}"
                     if k == "head" else "") + ")"
                  for k in ("plain", "head", "lookup", "explore") if self.steps.get(k)]
-        return (", ".join(parts) or "no steps") + f"; {self.explorations} explorations"
+        return ((", ".join(parts) or "no steps") + f"; {self.explorations} explorations; "
+                f"{self.held} steps held plain by the outcome guard, which measured "
+                f"{self.policy.guard.said()}")
 
     def step_started(self) -> None:
         now = time.perf_counter()
@@ -303,6 +323,11 @@ class AutoBudget:
         if self._start is not None:
             gap = statistics.median(self._gaps) if self._gaps else 0.0
             seconds = now - self._start + gap - catch_up
+            if (self._arm is not None and self._arm == self._last_arm and not prefill
+                    and not self._last_prefill):
+                # drafted and verified under one arm: what the step realized (catch-up in)
+                self.policy.guard.record(self._arm[0], self._tokens, seconds + catch_up,
+                                         self._arm[1])
             self.policy.step_done(seconds, decode, prefill, verified,
                                   sum(drafted.values()), drafting if drafted else None,
                                   len(drafted), verifying)
@@ -334,6 +359,7 @@ class AutoBudget:
                     decode, budgets.pop(),
                     cycle - sum(lookup_only.values()) * self.policy.model.coefficients[3])
         self._last_drafting, self._last_prefill = drafting or 0.0, prefill > 0
+        self._last_arm, self._arm = self._arm, None
         self._start, self._last_end = None, now
         self._drafted, self._grafted = drafted, grafted or {}
         self._sampling = sampling or set()
@@ -544,6 +570,10 @@ class TreeDraftProposer:
         sampling = {req_id for _, req_id, *_ in work
                     if self._sampled_params(runner, req_id) is not None} if self.auto else set()
         n = 0  # auto: the step's head nodes per drafting request
+        if (self.auto is not None and eligible and budget
+                and not self.auto.allows(len(eligible),
+                                         sum(req_id in sampling for _, req_id, *_ in eligible))):
+            budget = 0  # the outcome guard holds this step plain
         if self.auto is not None and eligible and budget:
             n, few = self.auto.choose(
                 len(eligible), sum(req_id in sampling for _, req_id, *_ in eligible))

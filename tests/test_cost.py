@@ -9,6 +9,7 @@ import pytest
 
 from treedraft.heads.cost import (
     BudgetPolicy,
+    OutcomeGuard,
     StepCostModel,
     best_budget,
     budget_rates,
@@ -757,3 +758,51 @@ def test_a_counterfactual_reading_teaches_its_budget_only():
     assert a._budgets[1] == pytest.approx([0.5, 1.0])
     a.add(1.0, 1.0, budget=3)  # a reading of the drafted budget fades the others as before
     assert a._budgets[1] == pytest.approx([0.5 * a.STALE_DECAY, a.STALE_DECAY])
+
+
+def _run_guard(guard, key, rates, steps, batch=16):
+    """Feed `steps` steps at `key` where an arm realizes rates[arm] tokens per second (one
+    second a step); returns how many steps each arm ran."""
+    ran = {True: 0, False: 0}
+    for _ in range(steps):
+        arm = guard.allows(key)
+        ran[arm] += 1
+        guard.record(key, rates[arm] * 1.0, 1.0, arm)
+    return ran
+
+
+def test_the_outcome_guard_holds_auto_plain_where_its_drafting_realized_less():
+    """Windows of `auto`'s own steps and of plain ones are compared as realized: where drafting
+    realized less than drafting nothing (what the estimates missed), plain leads and `auto`
+    runs only its probe windows; where it realizes more, `auto` leads and plain is probed. A
+    close race probes every few windows (PROBE_MIN, doubling while the leader holds); a clear
+    lead probes at PROBE_MAX at once."""
+    G = OutcomeGuard
+    W = G.WINDOW
+    guard = G()
+    key = (16, False)
+    # auto first: FIRST windows before any plain one
+    assert _run_guard(guard, key, {True: 0.9, False: 1.0}, G.FIRST * W) == {True: G.FIRST * W,
+                                                                              False: 0}
+    ran = _run_guard(guard, key, {True: 0.9, False: 1.0}, 40 * W)
+    assert guard.rate(key, True) == pytest.approx(0.9) and guard.rate(key, False) == pytest.approx(1.0)
+    # plain leads: auto ran its probes only (one window after 4, 8, 16, ... of plain)
+    assert ran[True] <= 4 * W and ran[False] >= 36 * W, ran
+    assert not guard.allows(key) or guard._state[key]["lead"] is False
+    # auto's drafting now realizes more (a better head, longer replies): auto leads again
+    flip = next(w for w in range(1, 80) if _run_guard(guard, key, {True: 1.1, False: 1.0}, W)
+                and guard._state[key]["lead"] is True)
+    assert flip <= G.PROBE_CLOSE + 3 * G.PROBE_MIN, flip
+    ran = _run_guard(guard, key, {True: 1.1, False: 1.0}, 40 * W)
+    assert ran[False] <= 4 * W and guard._state[key]["lead"] is True, ran
+    # other keys (batch sizes, sampled) are their own
+    assert guard.rate((4, False), True) is None and guard.allows((4, False))
+    # a clear lead (batch 1: auto 1.8x plain) probes plain once per PROBE_MAX windows
+    clear = G()
+    ran = _run_guard(clear, (1, False), {True: 1.8, False: 1.0}, (G.FIRST + 1 + G.PROBE_MAX) * W)
+    assert ran[False] == W, ran
+    assert "auto 1.80x plain" in clear.said()
+    # steps of the other arm than the current window's are not counted
+    other = G()
+    other.record((2, False), 5.0, 1.0, False)
+    assert other._state[(2, False)]["left"] == G.WINDOW

@@ -23,7 +23,7 @@ from treedraft.heads.common import (
     load_head,
     tokenizer_fingerprint,
 )
-from treedraft.heads.eagle import EagleConfig, EagleHead, one_query_attention
+from treedraft.heads.eagle import EagleConfig, EagleHead, grouped_attention
 from treedraft.heads.medusa import MedusaConfig, MedusaHeads
 from treedraft.heads.tree import draft_tree, parse_tree_spec
 
@@ -539,20 +539,27 @@ def test_pair_log_drains_into_pending_pairs_what_adding_each_step_makes():
     assert "d" not in lazy and len(lazy["a"]) == 5 and lazy["a"].tokens[-1].tolist() == [1]
 
 
+@pytest.mark.parametrize("queries", [1, 3])
 @pytest.mark.parametrize("masked", [False, True])
-def test_one_query_attention_equals_sdpa_with_repeated_kv_heads(masked):
-    """The sessions' one-query path (grouped matmuls) computes what SDPA over repeated K/V
-    heads computes: head h reads kv head h // groups, the mask drops the keys it says."""
+def test_grouped_attention_equals_sdpa_with_repeated_kv_heads(masked, queries):
+    """The sessions' attention (grouped matmuls over a float32 cache) computes what SDPA over
+    repeated K/V heads computes: head h reads kv head h // groups, the mask [T, S] drops the
+    keys it says for each query, and bf16 queries come back in bf16."""
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 6, 1, 16, generator=g)
-    k, v = torch.randn(1, 2, 11, 16, generator=g), torch.randn(1, 2, 11, 16, generator=g)
-    mask = (torch.rand(1, 11, generator=g) > 0.4) if masked else None
+    T, S = queries, 11
+    q = torch.randn(1, 6, T, 16, generator=g)
+    k, v = torch.randn(1, 2, S, 16, generator=g), torch.randn(1, 2, S, 16, generator=g)
+    mask = (torch.rand(T, S, generator=g) > 0.4) if masked else None
     if masked:
-        mask[0, -1] = True
+        mask[:, -1] = True
     want = torch.nn.functional.scaled_dot_product_attention(
         q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1),
         attn_mask=None if mask is None else mask[None, None])
-    got = one_query_attention(q, k, v, mask)
+    got = grouped_attention(q, k, v, mask)
     assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5)
     # a kv head read by the wrong query heads would differ: swap the kv heads to see it
-    assert not torch.allclose(one_query_attention(q, k.flip(1), v.flip(1), mask), want, atol=1e-3)
+    assert not torch.allclose(grouped_attention(q, k.flip(1), v.flip(1), mask), want, atol=1e-3)
+    if masked and T > 1:  # each query reads its own mask row, not the last one's
+        assert not torch.allclose(grouped_attention(q, k, v, mask[[T - 1] * T]), want, atol=1e-3)
+    low = grouped_attention(q.bfloat16(), k, v, mask)
+    assert low.dtype == torch.bfloat16 and torch.allclose(low.float(), want, atol=3e-2)

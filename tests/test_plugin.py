@@ -698,6 +698,48 @@ def test_auto_reads_every_shorter_greedy_chain_from_the_chain_drafted():
     assert set(tree.policy.acceptance[0]._budgets) == {max(b for b in table if b <= big)}
 
 
+def test_auto_feeds_the_outcome_guard_the_steps_one_arm_drafted_and_verified():
+    """`AutoBudget.allows` asks the outcome guard (heads.cost.OutcomeGuard) whether the policy
+    drafts this step; `step_done` records a step's tokens (`observe`) and seconds under its arm
+    only where the step before drafted under the same arm and key (a switch's first step
+    verifies the other arm's drafts) and neither had prefill rows; a held step counts."""
+    from types import SimpleNamespace
+
+    from treedraft.heads.tree import parse_tree_spec
+    from treedraft.plugin.proposer import AutoBudget
+
+    auto = AutoBudget(parse_tree_spec("dynamic:10,3,3"))
+    auto.set_rates(None)
+    got = []
+    auto.policy.guard.record = lambda key, tokens, seconds, arm: got.append((key, tokens, arm))
+    dec = SimpleNamespace(num_scheduled_tokens={"a": 1, "b": 1}, scheduled_spec_decode_tokens={})
+    pre = SimpleNamespace(num_scheduled_tokens={"a": 1, "b": 30}, scheduled_spec_decode_tokens={})
+
+    def step(so, tokens, ask=True):
+        auto.step_started()
+        auto.observe({"a": tokens, "b": 1})
+        if ask:
+            auto.allows(2)
+        auto.step_done(so, {})
+
+    step(dec, 1)  # nothing drafted before it: not recorded
+    step(dec, 3)
+    assert got == [((2, False), 4, True)]
+    step(pre, 1)  # a prefill step, and the step after one: not recorded
+    step(dec, 1)
+    step(dec, 2)
+    assert got[1:] == [((2, False), 3, True)]
+    step(dec, 1, ask=False)  # no drafting decision (nothing could draft): nor the next
+    step(dec, 1)
+    assert len(got) == 2
+    auto.policy.guard._get((2, False))["arm"] = False  # the guard holds this key plain
+    held = auto.held
+    step(dec, 5)  # verifies drafts of the other arm: not recorded
+    step(dec, 1)
+    assert got[2:] == [((2, False), 2, False)] and auto.held == held + 2
+    assert "held plain by the outcome guard" in auto.tally()
+
+
 def test_auto_measures_a_budgets_step_where_every_request_verified_it():
     """`AutoBudget.step_done` hands the policy the cost of a step at budget n when each of its
     decode requests verified n head nodes drafted last step: its own drafting swapped for last
