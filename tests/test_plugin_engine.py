@@ -400,8 +400,13 @@ def test_greedy_outputs_identical_to_no_speculation(runs, name, prompts, target)
         assert float(ms) > 0 and int(measured) >= 12 and int(explored) >= 1, said
         assert int(checked) > 0, said  # catch-up commits tested the head (acceptance signal)
         # and what it did so far, by kind of step: every exploration was one step that explored
-        tally = re.findall(r"so far: ([^;]*); (\d+) explorations\)", log)
+        # (and the outcome guard's held steps: a short run holds none, it is on its first
+        # windows of the policy's own steps)
+        tally = re.findall(r"so far: ([^;]*); (\d+) explorations; (\d+) steps held plain by the "
+                           r"outcome guard", log)
         assert tally and tally[-1][1] == explored, (tally[-1:], said[-1])
+        assert int(tally[-1][2]) < sum(int(n) for n in re.findall(r"\w+ (\d+) steps",
+                                                                   tally[-1][0])), tally[-1]
         kinds = dict((k, int(n)) for k, n in re.findall(r"(\w+) (\d+) steps", tally[-1][0]))
         assert kinds.get("explore") == int(explored) and sum(kinds.values()) >= int(measured), (
             tally[-1])
