@@ -135,6 +135,7 @@ class AutoBudget:
         self.steps: dict[str, int] = defaultdict(int)
         self.seconds: dict[str, float] = defaultdict(float)
         self.nodes: dict[int, int] = defaultdict(int)  # "head" steps by head nodes per request
+        self.beside = 0  # "head" steps in which some request grafted lookup beside the head
         # the outcome guard (heads.cost.OutcomeGuard): the key and arm (True: the policy chose)
         # of this step's drafting (None: no decision, nothing could draft), last step's, and
         # the tokens the step being finished gave (`observe`)
@@ -273,10 +274,11 @@ class AutoBudget:
 
     def tally(self) -> str:
         """What auto did so far, e.g. 'plain 812 steps (61.2 ms), head 40 steps (70.1 ms, by
-        nodes 1:30 3:10), ...; 12 explorations' (ms: a step's mean)."""
+        nodes 1:30 3:10, 25 with lookup grafted), ...; 12 explorations; ...' (ms: a step's
+        mean)."""
         parts = [f"{k} {self.steps[k]} steps ({1e3 * self.seconds[k] / self.steps[k]:.1f} ms"
                  + (f", by nodes {' '.join(f'{n}:{c}' for n, c in sorted(self.nodes.items()))}"
-                    if k == "head" else "") + ")"
+                    f", {self.beside} with lookup grafted" if k == "head" else "") + ")"
                  for k in ("plain", "head", "lookup", "explore") if self.steps.get(k)]
         return ((", ".join(parts) or "no steps") + f"; {self.explorations} explorations; "
                 f"{self.held} steps held plain by the outcome guard, which measured "
@@ -308,6 +310,7 @@ class AutoBudget:
         self.steps[kind] += 1
         if kind == "head":
             self.nodes[max(drafted.values())] += 1
+            self.beside += bool(grafted)
         if self._start is not None:
             self.seconds[kind] += now - self._start
         spec = scheduler_output.scheduled_spec_decode_tokens

@@ -738,6 +738,11 @@ def test_auto_feeds_the_outcome_guard_the_steps_one_arm_drafted_and_verified():
     step(dec, 1)
     assert got[2:] == [((2, False), 2, False)] and auto.held == held + 2
     assert "held plain by the outcome guard" in auto.tally()
+    # head steps are counted with how many of them grafted lookup beside the head
+    for grafted in ({"a": (2, 3)}, {}):
+        auto.step_started()
+        auto.step_done(dec, {"a": 1, "b": 1}, grafted=grafted)
+    assert "head 2 steps" in auto.tally() and "1 with lookup grafted" in auto.tally()
 
 
 def test_auto_measures_a_budgets_step_where_every_request_verified_it():
