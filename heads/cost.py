@@ -485,17 +485,21 @@ class OutcomeGuard:
     errors decide. At batch 16, T=0 on the 2-core AMD EPYC `auto` ran 0.96-0.98x no-spec with
     every estimate saying its grafts and one-node steps paid (session 34). So steps run in
     windows of WINDOW steps per (batch size, mostly sampled) key, each window either `auto`'s
-    own (ON: the policy chooses) or plain (OFF: nothing drafted, no lookup), and each arm's
-    realized tokens per second (its steps' tokens over their seconds, older windows fading by
-    DECAY) decides which arm leads. The leading arm runs; the other is probed for one window
-    after `interval` windows of the leader, an interval that starts at PROBE_MIN, doubles up to
-    PROBE_CLOSE while probes confirm the leader, returns to PROBE_MIN when the lead changes or
-    a probe window alone beat the leader (its mean lags: conditions may have changed), and is
-    PROBE_MAX at once where one arm leads by CLEAR or more (batch 1: ~1.8x, one plain window
-    per ~1,000 steps). ON runs FIRST windows before its first comparison: the policy learns in them.
-    Where the arms realize about the same, the probing costs about nothing; where they differ,
-    the probes are rare. The caller records only steps whose drafts and verification both ran
-    under one arm, with no prefill rows (`record`)."""
+    own (ON: the policy chooses) or plain (OFF: nothing drafted, no lookup). The arm that leads
+    runs; the other is probed for one window now and then, and each probe is compared with the
+    leader's windows right before and after it (realized tokens per second: its steps' tokens
+    over their seconds): step times drift within a run (contexts grow; in a benchmark whose
+    replies all have one length, 3x over a wave of requests), and arms compared over their own
+    recent windows, measured at different times, read 1.06-1.17x apart where both drafted
+    nothing (session 35). The ON / OFF ratios of the comparisons are averaged in log space,
+    older ones fading by DECAY, and decide the lead. The probe interval (windows of the leader
+    between probes) starts at PROBE_MIN, doubles up to PROBE_CLOSE while comparisons confirm
+    the leader, returns to PROBE_MIN when the lead changes or one comparison alone disagrees,
+    and is PROBE_MAX where one arm leads by CLEAR or more (batch 1: ~1.8x, one plain window
+    per ~1,000 steps). ON runs FIRST windows before the first probe: the policy learns in
+    them. Where the arms realize about the same, the probing costs about nothing; where they
+    differ, the probes are rare. The caller records only steps whose drafts and verification
+    both ran under one arm, with no prefill rows (`record`)."""
 
     WINDOW = 16
     FIRST = 4
@@ -506,8 +510,6 @@ class OutcomeGuard:
     DECAY = 0.7
 
     def __init__(self) -> None:
-        # key -> {"arm": bool, "left": steps, "window": [tokens, seconds], "sums": {arm: [tokens,
-        # seconds]}, "windows": {arm: n}, "lead": bool | None, "interval": n, "since": n}
         self._state: dict = {}
         self.probes = 0  # windows run by the arm that did not lead
 
@@ -516,8 +518,11 @@ class OutcomeGuard:
         if st is None:
             st = self._state[key] = {
                 "arm": True, "left": self.WINDOW, "window": [0.0, 0.0],
-                "sums": {True: [0.0, 0.0], False: [0.0, 0.0]}, "windows": {True: 0, False: 0},
-                "lead": None, "interval": self.PROBE_MIN, "since": 0}
+                "lead": True,  # the arm that runs between probes
+                "before": None,  # rate of the leader's last window
+                "probe": None,  # rate of a probe window waiting for the leader's next one
+                "log": 0.0, "weight": 0.0, "compared": 0,  # decayed log(ON / OFF) comparisons
+                "interval": self.PROBE_MIN, "since": 0, "windows": 0}
         return st
 
     def allows(self, key) -> bool:
@@ -525,13 +530,13 @@ class OutcomeGuard:
         drafted): the arm of the current window there."""
         return self._get(key)["arm"]
 
-    def rate(self, key, arm: bool) -> float | None:
-        """Realized tokens per second of `arm` at `key` (decayed windows), or None."""
+    def ratio(self, key) -> float | None:
+        """Realized tokens per second of `auto`'s own windows over plain ones at `key` (each
+        probe against the leader's windows beside it, decayed), or None before a comparison."""
         st = self._state.get(key)
-        if st is None or not st["windows"][arm]:
+        if st is None or not st["weight"]:
             return None
-        tokens, seconds = st["sums"][arm]
-        return tokens / seconds if seconds > 0 else None
+        return math.exp(st["log"] / st["weight"])
 
     def record(self, key, tokens: float, seconds: float, arm: bool) -> None:
         """A step at `key` under `arm` (its drafts and their verification both) gave `tokens`
@@ -547,46 +552,47 @@ class OutcomeGuard:
 
     def _close(self, st: dict) -> None:
         arm, (tokens, seconds) = st["arm"], st["window"]
-        total = st["sums"][arm]
-        total[0], total[1] = self.DECAY * total[0] + tokens, self.DECAY * total[1] + seconds
-        st["windows"][arm] += 1
+        rate = tokens / seconds
         st["window"], st["left"] = [0.0, 0.0], self.WINDOW
-        if not st["windows"][False]:  # no plain window yet: ON learns first, then one probe
-            if st["windows"][True] >= self.FIRST:
-                st["arm"] = False
-                self.probes += 1
+        st["windows"] += 1
+        if arm != st["lead"]:  # a probe: compared once the leader's next window closes
+            st["probe"], st["arm"] = rate, st["lead"]
             return
-        on, off = (total_t / total_s for total_t, total_s in (st["sums"][True], st["sums"][False]))
-        lead = on > off
-        ratio = max(on, off) / max(min(on, off), 1e-12)
-        # the probe window alone beat the leader: conditions changed, or noise; probe soon
-        surprise = arm != st["lead"] and st["lead"] is not None and (
-            tokens / seconds > (on if st["lead"] else off) if seconds > 0 else False)
-        if lead != st["lead"] or surprise:  # a new leader (or a surprise): check again soon
-            st["interval"], st["since"] = self.PROBE_MIN, 0
-        elif arm != lead:  # a probe confirmed the leader
-            st["interval"] = min(2 * st["interval"], self.PROBE_CLOSE)
-        if ratio >= self.CLEAR and not surprise:
-            st["interval"] = self.PROBE_MAX
-        st["lead"] = lead
-        if arm == lead:
-            st["since"] += 1
-        if arm == lead and st["since"] >= st["interval"]:
-            st["arm"], st["since"] = not lead, 0
+        before, st["before"] = st["before"], rate
+        if st["probe"] is not None and before is not None and rate > 0 and st["probe"] > 0:
+            probe, st["probe"] = st["probe"], None
+            r = probe / (0.5 * (before + rate))  # the probed arm against the leader beside it
+            on_off = math.log(r if not st["lead"] else 1.0 / r)
+            st["log"] = self.DECAY * st["log"] + on_off
+            st["weight"] = self.DECAY * st["weight"] + 1.0
+            st["compared"] += 1
+            lead = st["log"] > 0.0
+            ahead = math.exp(abs(st["log"]) / st["weight"])
+            if lead != st["lead"] or (on_off > 0.0) != lead:
+                # a new leader, or this comparison alone disagreed: check again soon
+                st["interval"], st["since"] = self.PROBE_MIN, 0
+            else:
+                st["interval"] = (self.PROBE_MAX if ahead >= self.CLEAR
+                                  else min(2 * st["interval"], self.PROBE_CLOSE))
+            if lead != st["lead"]:
+                st["lead"], st["before"] = lead, None
+                st["arm"] = lead
+                return
+        st["since"] += 1
+        if st["since"] >= (self.FIRST if not st["compared"] and st["probe"] is None
+                           else st["interval"]):
+            st["arm"], st["since"] = not st["lead"], 0
             self.probes += 1
-        else:
-            st["arm"] = lead
 
     def said(self) -> str:
-        """e.g. '16: auto 1.03x plain (5/2 windows, auto leads)' per key with both arms."""
+        """e.g. '(16, False): auto 1.03x plain (5 comparisons, auto leads)' per compared key."""
         parts = []
         for key, st in sorted(self._state.items(), key=lambda kv: str(kv[0])):
-            on, off = self.rate(key, True), self.rate(key, False)
-            if on is None or off is None:
+            r = self.ratio(key)
+            if r is None:
                 continue
-            parts.append(f"{key}: auto {on / off:.2f}x plain ({st['windows'][True]}/"
-                         f"{st['windows'][False]} windows, {'auto' if st['lead'] else 'plain'} "
-                         f"leads)")
+            parts.append(f"{key}: auto {r:.2f}x plain ({st['compared']} comparisons, "
+                         f"{'auto' if st['lead'] else 'plain'} leads)")
         return ", ".join(parts) or "-"
 
 
