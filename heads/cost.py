@@ -1007,14 +1007,32 @@ class BudgetPolicy:
         if self.beside is not None:
             self.beside.add(drafted, a_head, a_lookup)
 
-    def graft_budget(self, batch: int, n: int, lookup_rows: int) -> int:
+    def graft_budget(self, batch: int, n: int, lookup_rows: int, cap: int | None = None
+                     ) -> int:
         """The head budget for a step of `batch` greedy requests that all graft lookup
         (`lookup_rows` lookup nodes in all) where the head alone would draft `n` (`choose`): the
         budget 1 <= m <= n with the most tokens per second beside the lookup (`HeadBesideLookup`,
         each budget priced as `_plan` prices it, plus the lookup rows at the fitted price of a
         verified row), unless it beats n by no more than HYSTERESIS; n where what a budget
         gives is not known yet, and every GRAFT_REFRESH-th such step (the budgets up to n are
-        measured again)."""
+        measured again). `cap`: beside lookup the head drafts at most `cap` nodes (its chains;
+        the caller's head trees are larger): where n is a larger tree the answer is at most
+        cap. A tree's factor is read only on the steps that drafted it, not beside the chains
+        it is compared with, and beside lookup its extra nodes are mostly redundant: at batch 1,
+        T=0 on the AMD EPYC the runs where `auto` drafted 6-node trees with lookup grafted
+        (296-560 steps at ~38-48 ms against ~31 ms for 2-node chains, the same tokens per step)
+        were 11-14 % below `chain:2+lookup:4` (session 35)."""
+        top = n if cap is None else min(n, cap)
+        best = self._beside_best(batch, top, lookup_rows)
+        if best != n:  # the step counts as one at the budget drafted, not n (climbing: `_plan`)
+            used = self._used.get((batch, n))
+            if used is not None and used[0] > 0:
+                used[0] -= 1
+            self._use(batch, best)
+        return best
+
+    def _beside_best(self, batch: int, n: int, lookup_rows: int) -> int:
+        """`graft_budget`'s choice among the budgets up to n (no climbing bookkeeping)."""
         if self.beside is None or n <= 1 or batch < 1 or self.model.fit() is None:
             return n
         self._graft_steps += 1
@@ -1035,11 +1053,6 @@ class BudgetPolicy:
         best = max(budgets, key=lambda m: (beside(m), -m))
         if best == n or beside(best) <= (1.0 + self.HYSTERESIS) * beside(n):
             return n
-        # the step counts as one at the budget drafted, not n (climbing: `_plan`)
-        used = self._used.get((batch, n))
-        if used is not None and used[0] > 0:
-            used[0] -= 1
-        self._use(batch, best)
         return best
 
     def _use(self, batch: int, n: int) -> None:

@@ -607,12 +607,14 @@ class TreeDraftProposer:
                             [(m, r in sampling) for r, m in grafts.items()]):
                         grafts = {}
                     eligible = [e for e in eligible if e[1] in grafts]
-                elif (len(grafts) == len(eligible) and n <= self.auto.chain_max
+                elif (len(grafts) == len(eligible)
                       and not any(r in sampling for r in grafts)):
                     # every request grafts (greedy): the head budget worth drafting beside the
-                    # lookup, which may be smaller than the head alone's
+                    # lookup, which may be smaller than the head alone's, and a chain (at most
+                    # chain_max nodes: a head tree's extra nodes are mostly redundant there)
                     n = self.auto.policy.graft_budget(len(eligible), n,
-                                                      len(grafts) * self.spec.lookup)
+                                                      len(grafts) * self.spec.lookup,
+                                                      cap=self.auto.chain_max)
             lookup = self.spec.lookup if grafts else 0
             budget = min(budget, n + lookup)
             spec = self.auto_spec(n, lookup) if budget else None

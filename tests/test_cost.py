@@ -712,6 +712,19 @@ def test_beside_lookup_the_head_drafts_the_budget_that_pays_there():
         deep.observe_beside(3, a_head=3, a_lookup=0)
     assert all(deep.graft_budget(1, 3, 4) == 3 for _ in range(20))
     assert BudgetPolicy(lengths).graft_budget(1, 3, 4) == 3  # lookup not in the spec
+    # the head's own choice a tree larger than `cap` (its chains): beside lookup at most cap
+    # nodes, chosen among the chains; the step counts as one at the budget drafted
+    tree = BudgetPolicy(expected_lengths(RATES, 8, chain=True), lookup=True)
+    tree.model = policy.model
+    tree._use(1, 6)
+    assert tree.graft_budget(1, 6, 4, cap=4) == 4  # nothing measured beside lookup: the cap
+    assert tree._used[(1, 6)][0] == 0 and tree._used[(1, 4)][0] == 1
+    for _ in range(10):
+        tree.observe_beside(4, a_head=3, a_lookup=4)
+        tree.observe_beside(4, a_head=1, a_lookup=3)
+    answers = [tree.graft_budget(1, 6, 4, cap=4) for _ in range(2 * BudgetPolicy.GRAFT_REFRESH)]
+    assert max(answers) == 4 and min(answers) == 1, answers  # refreshes draft the cap, not 6
+    assert tree.graft_budget(1, 3, 4, cap=4) in (1, 3)  # a choice within the cap: as before
 
 
 def test_a_step_pays_once_for_verifying_any_graft_and_grafts_must_pay_it_together():
