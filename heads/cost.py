@@ -511,7 +511,6 @@ class OutcomeGuard:
 
     def __init__(self) -> None:
         self._state: dict = {}
-        self.probes = 0  # windows run by the arm that did not lead
 
     def _get(self, key) -> dict:
         st = self._state.get(key)
@@ -522,7 +521,7 @@ class OutcomeGuard:
                 "before": None,  # rate of the leader's last window
                 "probe": None,  # rate of a probe window waiting for the leader's next one
                 "log": 0.0, "weight": 0.0, "compared": 0,  # decayed log(ON / OFF) comparisons
-                "interval": self.PROBE_MIN, "since": 0, "windows": 0}
+                "interval": self.PROBE_MIN, "since": 0}
         return st
 
     def allows(self, key) -> bool:
@@ -554,7 +553,6 @@ class OutcomeGuard:
         arm, (tokens, seconds) = st["arm"], st["window"]
         rate = tokens / seconds
         st["window"], st["left"] = [0.0, 0.0], self.WINDOW
-        st["windows"] += 1
         if arm != st["lead"]:  # a probe: compared once the leader's next window closes
             st["probe"], st["arm"] = rate, st["lead"]
             return
@@ -579,10 +577,8 @@ class OutcomeGuard:
                 st["arm"] = lead
                 return
         st["since"] += 1
-        if st["since"] >= (self.FIRST if not st["compared"] and st["probe"] is None
-                           else st["interval"]):
+        if st["since"] >= (st["interval"] if st["compared"] else self.FIRST):
             st["arm"], st["since"] = not st["lead"], 0
-            self.probes += 1
 
     def said(self) -> str:
         """e.g. '(16, False): auto 1.03x plain (5 comparisons, auto leads)' per compared key."""

@@ -135,7 +135,7 @@ class AutoBudget:
         self.steps: dict[str, int] = defaultdict(int)
         self.seconds: dict[str, float] = defaultdict(float)
         self.nodes: dict[int, int] = defaultdict(int)  # "head" steps by head nodes per request
-        self.beside = 0  # "head" steps in which some request grafted lookup beside the head
+        self.beside_steps = 0  # "head" steps in which some request grafted lookup beside it
         # the outcome guard (heads.cost.OutcomeGuard): the key and arm (True: the policy chose)
         # of this step's drafting (None: no decision, nothing could draft), last step's, and
         # the tokens the step being finished gave (`observe`)
@@ -278,7 +278,7 @@ class AutoBudget:
         mean)."""
         parts = [f"{k} {self.steps[k]} steps ({1e3 * self.seconds[k] / self.steps[k]:.1f} ms"
                  + (f", by nodes {' '.join(f'{n}:{c}' for n, c in sorted(self.nodes.items()))}"
-                    f", {self.beside} with lookup grafted" if k == "head" else "") + ")"
+                    f", {self.beside_steps} with lookup grafted" if k == "head" else "") + ")"
                  for k in ("plain", "head", "lookup", "explore") if self.steps.get(k)]
         return ((", ".join(parts) or "no steps") + f"; {self.explorations} explorations; "
                 f"{self.held} steps held plain by the outcome guard, which measured "
@@ -310,7 +310,7 @@ class AutoBudget:
         self.steps[kind] += 1
         if kind == "head":
             self.nodes[max(drafted.values())] += 1
-            self.beside += bool(grafted)
+            self.beside_steps += bool(grafted)
         if self._start is not None:
             self.seconds[kind] += now - self._start
         spec = scheduler_output.scheduled_spec_decode_tokens
@@ -573,13 +573,12 @@ class TreeDraftProposer:
         sampling = {req_id for _, req_id, *_ in work
                     if self._sampled_params(runner, req_id) is not None} if self.auto else set()
         n = 0  # auto: the step's head nodes per drafting request
-        if (self.auto is not None and eligible and budget
-                and not self.auto.allows(len(eligible),
-                                         sum(req_id in sampling for _, req_id, *_ in eligible))):
-            budget = 0  # the outcome guard holds this step plain
         if self.auto is not None and eligible and budget:
-            n, few = self.auto.choose(
-                len(eligible), sum(req_id in sampling for _, req_id, *_ in eligible))
+            n_sampling = sum(req_id in sampling for _, req_id, *_ in eligible)
+            if not self.auto.allows(len(eligible), n_sampling):
+                budget = 0  # the outcome guard holds this step plain
+        if self.auto is not None and eligible and budget:
+            n, few = self.auto.choose(len(eligible), n_sampling)
             if few is not None:  # explore with the requests that have the least to catch up
                 # (pending pairs; the logged ones are about as many for every decoding request,
                 # and draining them here would land in the step's time, not the drafting's)
