@@ -31,6 +31,8 @@ and its output is fhat_{t+1}.
 
 from __future__ import annotations
 
+import heapq
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -147,8 +149,66 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> T
 
 
 # packed segments with more queries than this run SDPA (a prompt's commit); fewer, the grouped
-# matmuls (`grouped_attention`: ~2x faster at 1-4 queries on the 2-core CPU, session 35)
+# matmuls (`grouped_attention`: ~2x faster at 1-4 queries on the 2-core CPU, session 35), and
+# several such segments of one pool attend together (`pooled_attention`)
 GROUPED_MAX_QUERIES = 16
+
+
+def pooled_attention(q: Tensor, k: Tensor, v: Tensor, segs: Sequence[Segment]) -> Tensor | None:
+    """The attention of every segment of a packed row in ONE batched call: q [1, nh, N, D],
+    this row's k, v [1, nkv, N, D] (written into each segment's row of the sessions' `KVPool`
+    first), grouped query heads as in `grouped_attention`. Queries are laid out by pool row
+    ([R, Tmax] padded), keys read straight from a view of the pool's first R rows and Smax slots
+    (no copy), each row under its causal mask (query t of a segment at `at` sees slots
+    0..at+t) or the segment's own mask; padded queries and rows without a segment compute
+    something finite and are dropped. None where it does not apply: one segment, a segment
+    with more than GROUPED_MAX_QUERIES queries (a prompt's commit), caches of different pools,
+    or rows so sparse (a few sessions of many) that reading every row would cost more than one
+    call per segment."""
+    if len(segs) < 2:
+        return None
+    pool = segs[0].cache.pool
+    rows, lens, ats = [], [], []
+    for seg in segs:
+        if seg.hi - seg.lo > GROUPED_MAX_QUERIES or seg.cache.pool is not pool:
+            return None
+        rows.append(seg.cache.row)
+        lens.append(seg.hi - seg.lo)
+        ats.append(seg.at)
+    R, Tm = max(rows) + 1, max(lens)
+    if R > 2 * len(segs) + 2:
+        return None
+    S = max(a + t for a, t in zip(ats, lens, strict=True))
+    _, nh, N, d = q.shape
+    nkv = k.shape[1]
+    g = nh // nkv
+    pool.reserve(R - 1, S, k)
+    dev = q.device
+    # token i of segment j: pool row rows[j], slot ats[j] + i, padded query position i
+    tok_row = torch.tensor([r for r, t in zip(rows, lens, strict=True) for _ in range(t)],
+                           device=dev)
+    tok_t = torch.tensor([i for t in lens for i in range(t)], device=dev)
+    tok_slot = torch.tensor([a + i for a, t in zip(ats, lens, strict=True) for i in range(t)],
+                            device=dev)
+    pool.k[tok_row, :, tok_slot] = k[0].transpose(0, 1).to(pool.DTYPE)  # [N, nkv, D]
+    pool.v[tok_row, :, tok_slot] = v[0].transpose(0, 1).to(pool.DTYPE)
+    qp = q.new_zeros((R, Tm, nh, d), dtype=pool.DTYPE)
+    qp[tok_row, tok_t] = q[0].transpose(0, 1).to(pool.DTYPE)
+    qp = qp.view(R, Tm, nkv, g, d).permute(0, 2, 3, 1, 4).reshape(R * nkv, g * Tm, d)
+    keys = pool.k[:R, :, :S].reshape(R * nkv, S, d)  # views: the pool is [rows, nkv, cap, D]
+    values = pool.v[:R, :, :S].reshape(R * nkv, S, d)
+    at = torch.zeros(R, dtype=torch.long, device=dev)  # rows without a segment: slot 0 only
+    at[rows] = torch.tensor(ats, device=dev)
+    mask = (torch.arange(S, device=dev)[None, None]
+            <= (at[:, None] + torch.arange(Tm, device=dev)[None])[..., None])  # [R, Tm, S]
+    for seg, r, t, a in zip(segs, rows, lens, ats, strict=True):
+        if seg.mask is not None and not seg.causal:  # a tree level: its own ancestor mask
+            mask[r, :t, : a + t] = seg.mask
+    scores = torch.bmm(qp, keys.transpose(1, 2)) * d ** -0.5  # [R*nkv, g*Tm, S]
+    scores = scores.view(R, nkv, g, Tm, S).masked_fill(~mask[:, None, None], float("-inf"))
+    out = torch.bmm(scores.view(R * nkv, g * Tm, S).softmax(-1), values)  # [R*nkv, g*Tm, D]
+    out = out.view(R, nkv, g, Tm, d).permute(0, 3, 1, 2, 4).reshape(R, Tm, nh, d)
+    return out[tok_row, tok_t].transpose(0, 1)[None].to(q.dtype)  # [1, nh, N, D]
 
 
 class DecoderLayer(nn.Module):
@@ -182,8 +242,10 @@ class DecoderLayer(nn.Module):
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [B, nh|nkv, T, D]
         new_kv = (k, v)  # cached post-RoPE, for these T tokens only
-        if packed is not None:  # several sessions' tokens in one row: attention per segment
-            o = torch.cat([self._segment(q, k, v, seg) for seg in packed], dim=2)
+        if packed is not None:  # several sessions' tokens in one row
+            o = pooled_attention(q, k, v, packed)  # one batched call over the sessions' pool
+            if o is None:  # else attention per segment
+                o = torch.cat([self._segment(q, k, v, seg) for seg in packed], dim=2)
             return self.o_proj(o.transpose(1, 2).reshape(B, T, -1)), None
         if past_kv is not None:
             k, v = torch.cat([past_kv[0], k], dim=2), torch.cat([past_kv[1], v], dim=2)
@@ -326,6 +388,15 @@ class EagleHead(DraftHead):
     def draft_session(self) -> EagleSession:
         return EagleSession(self)
 
+    @property
+    def kv_pool(self) -> KVPool:
+        """The K/V of this head's draft sessions (created with the first session; not a
+        buffer: never saved, never moved by `.to()`, reallocated on the device a write asks)."""
+        pool = self.__dict__.get("_kv_pool")
+        if pool is None:
+            pool = self.__dict__["_kv_pool"] = KVPool()
+        return pool
+
     @classmethod
     def target_problems(cls, config: EagleConfig, target: TargetSignature) -> list[str]:
         out = config.target.mismatches(target)
@@ -347,34 +418,72 @@ class Segment:
     cache: KVCache  # the session's K/V; these tokens are written at slots at..at+T-1
     at: int
     mask: Tensor | None  # bool [T, at+T] over the cache slots (True = attend); None = all
+    causal: bool = False  # mask is the plain causal one (query i sees slots 0..at+i)
 
 
-class KVCache:
-    """One session's head K/V, [1, Hkv, capacity, D] each, in float32 whatever the head's dtype
-    (a bf16 head's K/V are stored exactly; attention reads them without converting the whole
-    cache every call): written in place, grown by doubling (a draft step copies nothing but the
-    new tokens' K/V)."""
+class KVPool:
+    """The K/V of every draft session of one head, [rows, Hkv, capacity, D] each, in float32
+    whatever the head's dtype (a bf16 head's K/V are stored exactly; attention reads them
+    without converting). A session holds one row (`KVCache`), released when the session is
+    dropped and handed to the next; the decode commits and tree levels of many sessions attend
+    in one batched call over a view of the pool (`pooled_attention`). Grows by doubling its rows
+    or its capacity (copying what it holds); the capacity follows the longest session, so it
+    holds rows x capacity x Hkv x D x 8 bytes. Slots nobody wrote are zeros: a batched call
+    reads past a row's length (masked), and masked garbage could be NaN."""
 
     DTYPE = torch.float32
 
     def __init__(self) -> None:
         self.k: Tensor | None = None
         self.v: Tensor | None = None
+        self._free: list[int] = []  # released rows, a heap: the lowest is reused first
+        self._rows = 0  # rows ever handed out
+
+    def acquire(self) -> int:
+        if self._free:
+            return heapq.heappop(self._free)
+        self._rows += 1
+        return self._rows - 1
+
+    def release(self, row: int) -> None:
+        heapq.heappush(self._free, row)
+
+    def reserve(self, row: int, end: int, like: Tensor) -> None:
+        """Make rows 0..row hold slots 0..end-1 (like: a [1, Hkv, T, D] tensor of the head)."""
+        k = self.k
+        if (k is not None and row < k.shape[0] and end <= k.shape[2]
+                and k.device == like.device):
+            return
+        rows = cap = 0
+        if k is not None:
+            rows, cap = k.shape[0], k.shape[2]
+        shape = (rows if row < rows else max(row + 1, 2 * rows, 4), like.shape[1],
+                 cap if end <= cap else max(end, 2 * cap, 64), like.shape[3])
+        nk = torch.zeros(shape, dtype=self.DTYPE, device=like.device)
+        nv = torch.zeros(shape, dtype=self.DTYPE, device=like.device)
+        if k is not None:
+            nk[:rows, :, :cap] = k
+            nv[:rows, :, :cap] = self.v
+        self.k, self.v = nk, nv
+
+
+class KVCache:
+    """One session's head K/V: a row of its head's `KVPool` (slot i = the session's i-th cached
+    pair or tree node), written in place; the row goes back to the pool with the session."""
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+        self.row = pool.acquire()
+        weakref.finalize(self, pool.release, self.row)
 
     def write(self, at: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store k, v [1, Hkv, T, D] at slots at..at+T-1; views of slots 0..at+T-1."""
-        end = at + k.shape[2]
-        if self.k is None or end > self.k.shape[2]:
-            cap = max(end, 64, 2 * (0 if self.k is None else self.k.shape[2]))
-            old = (self.k, self.v)
-            self.k = k.new_empty(1, k.shape[1], cap, k.shape[3], dtype=self.DTYPE)
-            self.v = v.new_empty(1, v.shape[1], cap, v.shape[3], dtype=self.DTYPE)
-            if old[0] is not None and at:
-                self.k[:, :, :at] = old[0][:, :, :at]
-                self.v[:, :, :at] = old[1][:, :, :at]
-        self.k[:, :, at:end] = k
-        self.v[:, :, at:end] = v
-        return self.k[:, :, :end], self.v[:, :, :end]
+        """Store k, v [1, Hkv, T, D] at slots at..at+T-1; views [1, Hkv, at+T, D] of slots
+        0..at+T-1."""
+        end, r, pool = at + k.shape[2], self.row, self.pool
+        pool.reserve(r, end, k)
+        pool.k[r, :, at:end] = k[0]
+        pool.v[r, :, at:end] = v[0]
+        return pool.k[r : r + 1, :, :end], pool.v[r : r + 1, :, :end]
 
 
 class EagleSession:
@@ -400,7 +509,7 @@ class EagleSession:
         self.head = head
         self.length = 0  # committed pairs = next pair position
         self.start = 0  # position of the first pair in the cache (> 0 after a rewind past a gap)
-        self.cache = KVCache()
+        self.cache = KVCache(head.kv_pool)
         self.last_token: int | None = None
         self.root_feature: Tensor | None = None  # [H] output of the last committed pair
         self._reset_tree()
@@ -480,7 +589,7 @@ class EagleSession:
             mask = None if T == 1 else (  # [T, C+T]: slot j <= C + i
                 torch.arange(C + T, device=p.device)[None]
                 <= torch.arange(C, C + T, device=p.device)[:, None])
-            segs.append(Segment(lo, lo + T, s.cache, C, mask))
+            segs.append(Segment(lo, lo + T, s.cache, C, mask, causal=True))
             lo += T
         feats = head.project(torch.cat(hidden))[None]  # [1, N, H]
         out, _ = head(feats, torch.cat(ids)[None], torch.cat(pos)[None], packed=segs)

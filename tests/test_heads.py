@@ -23,7 +23,15 @@ from treedraft.heads.common import (
     load_head,
     tokenizer_fingerprint,
 )
-from treedraft.heads.eagle import EagleConfig, EagleHead, grouped_attention
+from treedraft.heads.eagle import (
+    EagleConfig,
+    EagleHead,
+    KVCache,
+    KVPool,
+    Segment,
+    grouped_attention,
+    pooled_attention,
+)
 from treedraft.heads.medusa import MedusaConfig, MedusaHeads
 from treedraft.heads.tree import draft_tree, parse_tree_spec
 
@@ -563,3 +571,56 @@ def test_grouped_attention_equals_sdpa_with_repeated_kv_heads(masked, queries):
         assert not torch.allclose(grouped_attention(q, k, v, mask[[T - 1] * T]), want, atol=1e-3)
     low = grouped_attention(q.bfloat16(), k, v, mask)
     assert low.dtype == torch.bfloat16 and torch.allclose(low.float(), want, atol=3e-2)
+
+
+def test_pooled_attention_equals_one_call_per_session():
+    """Many sessions' segments attend in one batched call over their pool (`pooled_attention`)
+    and get what one call per session gets: different context lengths, causal commits of 1-3
+    pairs, a tree level under its own ancestor mask, rows not in order and a row without a
+    segment between them, stale values past a row's length; each segment's K/V land in its
+    own row. Rows go back to the pool with their session and are handed out again."""
+    g = torch.Generator().manual_seed(3)
+    nh, nkv, d = 6, 2, 8
+    pool = KVPool()
+    caches = [KVCache(pool) for _ in range(4)]
+    assert [c.row for c in caches] == [0, 1, 2, 3]
+    for c, n in zip(caches, (5, 9, 3, 7), strict=True):  # committed context, then stale slots
+        c.write(0, torch.randn(1, nkv, n + 4, d, generator=g), torch.randn(1, nkv, n + 4, d,
+                                                                          generator=g))
+    tree_mask = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 0, 1, 0], [1, 1, 1, 1, 1, 1, 1, 1, 0, 1]],
+                             dtype=torch.bool)  # 7 committed + 1 tree node, then 2 new nodes
+    # (cache, at, queries, mask, causal): rows 3, 0, 2; row 1 has no segment
+    plan = [(caches[3], 8, 2, tree_mask, False), (caches[0], 5, 1, None, True),
+            (caches[2], 3, 3, torch.ones(3, 6, dtype=torch.bool).tril(3), True)]
+    N = sum(t for _, _, t, _, _ in plan)
+    q = torch.randn(1, nh, N, d, generator=g, dtype=torch.bfloat16)
+    k, v = torch.randn(1, nkv, N, d, generator=g), torch.randn(1, nkv, N, d, generator=g)
+    segs, lo = [], 0
+    for c, at, t, m, causal in plan:
+        segs.append(Segment(lo, lo + t, c, at, m, causal))
+        lo += t
+    before = pool.k.clone(), pool.v.clone()
+    got = pooled_attention(q, k, v, segs)
+    assert got is not None and got.shape == q.shape and got.dtype == q.dtype
+    want = []
+    for seg in segs:
+        r, end = seg.cache.row, seg.at + seg.hi - seg.lo
+        kk, vv = before[0][r : r + 1, :, :end].clone(), before[1][r : r + 1, :, :end].clone()
+        kk[:, :, seg.at :], vv[:, :, seg.at :] = k[:, :, seg.lo : seg.hi], v[:, :, seg.lo : seg.hi]
+        torch.testing.assert_close(pool.k[r : r + 1, :, :end], kk, rtol=0, atol=0)
+        torch.testing.assert_close(pool.v[r : r + 1, :, :end], vv, rtol=0, atol=0)
+        want.append(grouped_attention(q[:, :, seg.lo : seg.hi], kk, vv, seg.mask))
+    torch.testing.assert_close(got.float(), torch.cat(want, 2).float(), rtol=0, atol=1e-2)
+    # the masks matter: the tree segment under a causal mask reads its sibling's slot
+    segs[0].causal = True
+    assert not torch.allclose(pooled_attention(q, k, v, segs)[:, :, :2].float(),
+                              want[0].float(), atol=1e-2)
+    torch.testing.assert_close(pool.k[1], before[0][1], rtol=0, atol=0)  # row 1 untouched
+    assert pooled_attention(q, k, v, segs[:1]) is None  # one segment: the per-session call
+    long = Segment(0, 17, caches[1], 9, None, True)  # a prompt's commit: SDPA per session
+    assert pooled_attention(torch.zeros(1, nh, 18, d), torch.zeros(1, nkv, 18, d),
+                            torch.zeros(1, nkv, 18, d), [long, Segment(17, 18, caches[0], 6,
+                                                                       None, True)]) is None
+    del caches[1], long  # its session dropped: its row is handed out again, the lowest first
+    again, new = KVCache(pool), KVCache(pool)
+    assert (again.row, new.row) == (1, 4)
