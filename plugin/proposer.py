@@ -456,15 +456,20 @@ class TreeDraftProposer:
         """vLLM aux ids to capture: aux id k == HF hidden_states[k] for k < num_layers."""
         return tuple(sorted({i for i in self.layer_ids if i < self.num_layers}))
 
-    def features(self, hidden_states, aux_hidden_states, rows: torch.Tensor) -> torch.Tensor:
-        """[len(rows), n*H]: the head's layers of the given scheduled rows, in head order."""
+    def layers(self, hidden_states, aux_hidden_states, rows) -> tuple[torch.Tensor, ...]:
+        """The head's layers of the given scheduled rows (an index tensor or a slice: views),
+        [len(rows), H] each, in head order."""
         where = self._where
         if where is None:  # per layer the head reads: its index in aux_hidden_states, or -1
             aux = self.aux_layer_ids
             where = self._where = tuple(-1 if i == self.num_layers else aux.index(i)
                                         for i in self.layer_ids)
         aux = aux_hidden_states or ()
-        return torch.cat([hidden_states[rows] if k < 0 else aux[k][rows] for k in where], dim=-1)
+        return tuple(hidden_states[rows] if k < 0 else aux[k][rows] for k in where)
+
+    def features(self, hidden_states, aux_hidden_states, rows: torch.Tensor) -> torch.Tensor:
+        """[len(rows), n*H]: the head's layers of the given scheduled rows, in head order."""
+        return torch.cat(self.layers(hidden_states, aux_hidden_states, rows), dim=-1)
 
     def spec_for(self, budget: int):
         """The spec to draft with when at most `budget` nodes will be scheduled: chains are
@@ -747,7 +752,6 @@ class TreeDraftProposer:
         chunk is not kept alive by the one-row views of the requests decoding beside it."""
         ib = runner.input_batch
         idx = np.fromiter((i for i, *_ in work), dtype=np.int64, count=len(work))
-        qs = runner.query_start_loc.np[idx].astype(np.int64)
         c = ib.num_computed_tokens_cpu[idx].astype(np.int64)
         spec = scheduler_output.scheduled_spec_decode_tokens
         scheduled = scheduler_output.num_scheduled_tokens
@@ -757,12 +761,18 @@ class TreeDraftProposer:
         # max_model_len has no next token: the request ends there
         last = ids.shape[1] - 1
         if not (spec or trees) and scheduler_output.total_num_scheduled_tokens == len(work):
+            # one row per request: the rows are 0..n-1. Logged as views of the step's layers on
+            # CPU (joined when drained, `PairLog.add`); copies elsewhere, where vLLM may replay
+            # a captured graph into the same output buffers at the next step
             req_ids = [r for _, r, *_ in work]
-            feats = self._features_of(hidden_states, aux_hidden_states, qs)
-            tokens = torch.from_numpy(ids[idx, np.minimum(c + 1, last)]).long()
-            self.log.add(req_ids, c.tolist(), feats, tokens)
+            n = len(work)
+            feats = (self.layers(hidden_states, aux_hidden_states, slice(0, n))
+                     if hidden_states.device.type == "cpu" else
+                     self.features(hidden_states, aux_hidden_states, slice(0, n)))
+            self.log.add(req_ids, c.tolist(), feats, ids[idx, np.minimum(c + 1, last)])
             return dict.fromkeys(req_ids, 1)
         self.log.drain(self.pending, self._known)  # in step order, before this step's pairs
+        qs = runner.query_start_loc.np[idx].astype(np.int64)
         if spec or trees:
             m = np.fromiter(
                 (len(trees[r]) + 1 if r in trees else

@@ -506,11 +506,14 @@ def test_pending_pairs_commit_lazily_what_eager_commits_make():
     assert full.full and len(full) == 14  # nothing dropped: the caller flushes it
 
 
-def test_pair_log_drains_into_pending_pairs_what_adding_each_step_makes():
+@pytest.mark.parametrize("parts", [False, True])
+def test_pair_log_drains_into_pending_pairs_what_adding_each_step_makes(parts):
     """Plain decode steps are logged whole (heads.common.PairLog) and replayed into the
     requests' PendingPairs when read: the same pairs at the same positions as adding each step
     at once, through a rollback (a preempted request recomputed from position 2), a request
-    that joins late, and one that finished (its pairs dropped, no PendingPairs made for it)."""
+    that joins late, and one that finished (its pairs dropped, no PendingPairs made for it).
+    parts: a step logs its features as parts (the target layers a head reads, joined when
+    drained) and its tokens as a numpy array, as serving does."""
     from treedraft.heads.common import PairLog, PendingPairs
 
     g = torch.Generator().manual_seed(3)
@@ -528,7 +531,11 @@ def test_pair_log_drains_into_pending_pairs_what_adding_each_step_makes():
         tokens = torch.randint(0, V, (len(req_ids),), generator=g)
         for j, (r, pos) in enumerate(zip(req_ids, positions, strict=True)):
             eager.setdefault(r, PendingPairs()).add(pos, feats[j : j + 1], tokens[j : j + 1])
-        log.add(req_ids, positions, feats, tokens)
+        if parts:  # three parts of the features, numpy int32 tokens
+            log.add(req_ids, positions, (feats[:, :5], feats[:, 5:9], feats[:, 9:]),
+                    tokens.numpy().astype("int32"))
+        else:
+            log.add(req_ids, positions, feats, tokens)
         assert len(log) == k % 3 + 1 and log.full == (len(log) == 3)
         if log.full:
             log.drain(lazy)
