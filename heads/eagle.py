@@ -176,9 +176,10 @@ def pooled_attention(q: Tensor, k: Tensor, v: Tensor, segs: Sequence[Segment]) -
         lens.append(seg.hi - seg.lo)
         ats.append(seg.at)
     R, Tm = max(rows) + 1, max(lens)
-    if R > 2 * len(segs) + 2:
-        return None
-    S = max(a + t for a, t in zip(ats, lens, strict=True))
+    ends = [a + t for a, t in zip(ats, lens, strict=True)]
+    S = max(ends)
+    if R > 2 * len(segs) + 2 or R * S > 3 * sum(ends):  # sparse rows, or one long context
+        return None  # among short ones: reading R x S slots would cost more than per segment
     _, nh, N, d = q.shape
     nkv = k.shape[1]
     g = nh // nkv
@@ -202,8 +203,10 @@ def pooled_attention(q: Tensor, k: Tensor, v: Tensor, segs: Sequence[Segment]) -
     mask = (torch.arange(S, device=dev)[None, None]
             <= (at[:, None] + torch.arange(Tm, device=dev)[None])[..., None])  # [R, Tm, S]
     for seg, r, t, a in zip(segs, rows, lens, ats, strict=True):
-        if seg.mask is not None and not seg.causal:  # a tree level: its own ancestor mask
-            mask[r, :t, : a + t] = seg.mask
+        if seg.causal or t == 1 and seg.mask is None:
+            continue
+        # a tree level: its own ancestor mask; no mask: every slot up to its last token
+        mask[r, :t, : a + t] = True if seg.mask is None else seg.mask
     scores = torch.bmm(qp, keys.transpose(1, 2)) * d ** -0.5  # [R*nkv, g*Tm, S]
     scores = scores.view(R, nkv, g, Tm, S).masked_fill(~mask[:, None, None], float("-inf"))
     out = torch.bmm(scores.view(R * nkv, g * Tm, S).softmax(-1), values)  # [R*nkv, g*Tm, D]
@@ -440,8 +443,14 @@ class KVPool:
         self._rows = 0  # rows ever handed out
 
     def acquire(self) -> int:
+        """A free row; a reused one is zeroed (a batched call reads past the new session's
+        length, masked: a non-finite value left there would still reach its output)."""
         if self._free:
-            return heapq.heappop(self._free)
+            row = heapq.heappop(self._free)
+            if self.k is not None and row < self.k.shape[0]:
+                self.k[row].zero_()
+                self.v[row].zero_()
+            return row
         self._rows += 1
         return self._rows - 1
 

@@ -766,7 +766,11 @@ class TreeDraftProposer:
             # a captured graph into the same output buffers at the next step
             req_ids = [r for _, r, *_ in work]
             n = len(work)
-            feats = (self.layers(hidden_states, aux_hidden_states, slice(0, n))
+            # (layer 0 copied: the input embeddings, which vLLM may keep in a persistent buffer
+            # for prompt-embeds and multimodal models)
+            feats = (tuple(f.clone() if i == 0 else f for f, i in zip(
+                         self.layers(hidden_states, aux_hidden_states, slice(0, n)),
+                         self.layer_ids, strict=True))
                      if hidden_states.device.type == "cpu" else
                      self.features(hidden_states, aux_hidden_states, slice(0, n)))
             self.log.add(req_ids, c.tolist(), feats, ids[idx, np.minimum(c + 1, last)])

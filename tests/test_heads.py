@@ -631,3 +631,13 @@ def test_pooled_attention_equals_one_call_per_session():
     del caches[1], long  # its session dropped: its row is handed out again, the lowest first
     again, new = KVCache(pool), KVCache(pool)
     assert (again.row, new.row) == (1, 4)
+    assert not pool.k[1].any() and not pool.v[1].any()  # a reused row starts from zeros
+    # a segment without a mask sees every slot up to its last token; one long context among
+    # short ones (reading every row that far would cost more) attends per segment
+    segs = [Segment(0, 2, caches[0], 3, None), Segment(2, 3, caches[2], 2, None, True)]
+    q3, k3, v3 = (torch.randn(1, h, 3, d, generator=g) for h in (nh, nkv, nkv))
+    got = pooled_attention(q3, k3, v3, segs)
+    ref = grouped_attention(q3[:, :, :2], pool.k[0:1, :, :5], pool.v[0:1, :, :5], None)
+    torch.testing.assert_close(got[:, :, :2], ref, rtol=0, atol=1e-5)
+    far = Segment(2, 3, caches[2], 60, None, True)
+    assert pooled_attention(q3, k3, v3, [segs[0], far]) is None
