@@ -163,8 +163,8 @@ def pooled_attention(q: Tensor, k: Tensor, v: Tensor, segs: Sequence[Segment]) -
     0..at+t) or the segment's own mask; padded queries and rows without a segment compute
     something finite and are dropped. None where it does not apply: one segment, a segment
     with more than GROUPED_MAX_QUERIES queries (a prompt's commit), caches of different pools,
-    or rows so sparse (a few sessions of many) that reading every row would cost more than one
-    call per segment."""
+    or rows so sparse (a few sessions of many) or one context so much longer than the others
+    that reading every row that far would cost more than one call per segment."""
     if len(segs) < 2:
         return None
     pool = segs[0].cache.pool
@@ -271,13 +271,18 @@ class DecoderLayer(nn.Module):
     def _segment(self, q: Tensor, k: Tensor, v: Tensor, seg: Segment) -> Tensor:
         """One session's queries [1, nh, T, D] of a packed row: its K/V written into its cache at
         `seg.at`, attention over the cache's first at+T slots under `seg.mask` [T, at+T]."""
-        lo, hi = seg.lo, seg.hi
-        keys, values = seg.cache.write(seg.at, k[:, :, lo:hi], v[:, :, lo:hi])
+        lo, hi, at = seg.lo, seg.hi, seg.at
+        keys, values = seg.cache.write(at, k[:, :, lo:hi], v[:, :, lo:hi])
+        mask = seg.mask
+        if seg.causal:  # query i sees slots 0..at+i (one query: every slot)
+            mask = None if hi - lo == 1 else (torch.arange(at + hi - lo, device=q.device)[None]
+                                              <= torch.arange(at, at + hi - lo,
+                                                              device=q.device)[:, None])
         if hi - lo <= GROUPED_MAX_QUERIES:  # a decode commit, a tree level: grouped matmuls
-            return grouped_attention(q[:, :, lo:hi], keys, values, seg.mask)
+            return grouped_attention(q[:, :, lo:hi], keys, values, mask)
         groups = self.c.num_attention_heads // self.c.num_key_value_heads
         keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
-        mask = None if seg.mask is None else seg.mask[None, None]
+        mask = None if mask is None else mask[None, None]
         return F.scaled_dot_product_attention(q[:, :, lo:hi].to(keys.dtype), keys, values,
                                               attn_mask=mask).to(q.dtype)
 
@@ -421,7 +426,7 @@ class Segment:
     cache: KVCache  # the session's K/V; these tokens are written at slots at..at+T-1
     at: int
     mask: Tensor | None  # bool [T, at+T] over the cache slots (True = attend); None = all
-    causal: bool = False  # mask is the plain causal one (query i sees slots 0..at+i)
+    causal: bool = False  # instead of mask: query i sees slots 0..at+i
 
 
 class KVPool:
@@ -594,11 +599,9 @@ class EagleSession:
             hidden.append(target_hidden.to(p.device, p.dtype))
             ids.append(tokens.to(p.device))
             pos.append(torch.arange(s.length, s.length + T, device=p.device))
-            # causal: pair i sees the committed pairs and pairs 0..i of this commit
-            mask = None if T == 1 else (  # [T, C+T]: slot j <= C + i
-                torch.arange(C + T, device=p.device)[None]
-                <= torch.arange(C, C + T, device=p.device)[:, None])
-            segs.append(Segment(lo, lo + T, s.cache, C, mask, causal=True))
+            # causal: pair i sees the committed pairs and pairs 0..i of this commit (the mask is
+            # built only where the session attends alone: `DecoderLayer._segment`)
+            segs.append(Segment(lo, lo + T, s.cache, C, None, causal=True))
             lo += T
         feats = head.project(torch.cat(hidden))[None]  # [1, N, H]
         out, _ = head(feats, torch.cat(ids)[None], torch.cat(pos)[None], packed=segs)
