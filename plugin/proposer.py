@@ -252,14 +252,17 @@ class AutoBudget:
                 "ms + %.2f ms/decode row + %.2f ms/prefill row + %.2f ms/verified draft + %.2f "
                 "ms/drafted node + %.2f ms/verifying request; %d steps measured, %d explored, "
                 "%d positions checked teacher-forced; step ms measured at this batch by head "
-                "nodes: %s; so far: %s)",
+                "nodes: %s, beside lookup: %s (a lookup row %.2f ms); so far: %s)",
                 batch, sampled, n, self._lookup_said(), self.policy.lengths()[n],
                 self.policy.kappa(), *(a.kappa for a in self.policy.acceptance),
                 *(a.said() for a in self.policy.acceptance),
                 *(1e3 * c for c in coef), len(self.policy.model.samples), self.explorations,
                 self.teacher_checks, " ".join(
                     f"{k}:{1e3 * v:.1f}" for k, v in sorted(self.policy.measured(batch).items())
-                ) or "-", self.tally())
+                ) or "-", " ".join(
+                    f"{k}:{1e3 * c[0]:.1f}" for k in sorted(self.policy.table)
+                    if (c := self.policy.beside_cost(batch, k)) is not None) or "-",
+                1e3 * self.policy.lookup_row_price(batch), self.tally())
             self._logged, self._log_at = (batch, n), now
         return n, self.policy.explorers(batch, explored)
 
@@ -356,11 +359,10 @@ class AutoBudget:
                   and prev.keys() == scheduler_output.num_scheduled_tokens.keys()
                   and all(len(spec.get(r, ())) == n + lookup_only.get(r, 0)
                           for r, n in prev.items())):
-                # every request verified the same head budget n: what a step at n costs, last
-                # step's lookup-only rows priced out at the fit's price of a verified row
-                self.policy.measured_step(
-                    decode, budgets.pop(),
-                    cycle - sum(lookup_only.values()) * self.policy.model.coefficients[3])
+                # every request verified the same head budget n: what a step at n costs (with
+                # last step's lookup-only rows: under their own key)
+                self.policy.measured_step(decode, budgets.pop(), cycle,
+                                          lookup_rows=sum(lookup_only.values()))
         self._last_drafting, self._last_prefill = drafting or 0.0, prefill > 0
         self._last_arm, self._arm = self._arm, None
         self._start, self._last_end = None, now

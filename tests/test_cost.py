@@ -612,6 +612,46 @@ def test_a_measured_step_cost_replaces_the_fits_price_of_that_budget():
     assert cheap.best(1) == 1  # unscaled, the fit's dear price of 1 would leave 2 chosen
 
 
+def test_steps_beside_lookup_are_measured_under_their_own_key():
+    """Batch 1, T=0 on the AMD EPYC (session 36): steps that verified lookup rows beside the
+    head's were filed under the head's budget with those rows priced out at the fit's price of
+    a verified row (~1.4 ms, where one costs the memory-bound forward almost nothing), so the
+    budget drafted beside lookup most (one node) looked 4-6 ms cheaper than the next, and `auto`
+    drafted one node where `chain:2+lookup:4` ran 3-7 % faster. Each kind of step now prices
+    itself: a head budget by its steps without lookup, a lookup row by the difference."""
+    lengths = expected_lengths(RATES, 4, chain=True)
+    policy = BudgetPolicy(lengths, lookup=True)
+    policy.model = fitted(0.024, 0.001, 0.0014, 0.001)  # a verified row priced at 1.4 ms
+    alone = {1: 0.027, 2: 0.029}
+    for _ in range(BudgetPolicy.MEASURED_MIN):
+        for n, seconds in alone.items():
+            policy.measured_step(1, n, seconds)
+            policy.measured_step(1, n, seconds + 0.001, lookup_rows=4)  # 0.25 ms a row
+    assert policy.measured(1) == pytest.approx(alone)  # beside-lookup steps not mixed in
+    assert policy.beside_cost(1, 1) == pytest.approx((0.028, 4.0))
+    assert policy.beside_cost(1, 3) is None and policy.beside_cost(2, 1) is None
+    assert policy.lookup_row_price(1) == pytest.approx(0.00025)
+    assert policy.lookup_row_price(16) == pytest.approx(policy.model.coefficients[3])  # unknown
+    policy.choose(1)
+    # a graft's nodes are priced at the measured row price, not the fit's
+    g, bar = policy._graft_value(4, False, 1)
+    c, _, rate, _ = policy._bar
+    assert c == pytest.approx(0.00025) and bar == pytest.approx(4 * 0.00025 * rate)
+    # beside lookup, budgets are compared by their steps measured there: two nodes give 1.5x
+    # the tokens of one (below) in a step measured 7 % dearer: two; in one 1.6x dearer: one
+    for _ in range(10):
+        policy.observe_beside(2, a_head=2, a_lookup=1)
+    tokens = policy.beside.tokens(2)
+    assert tokens[2] / tokens[1] == pytest.approx(1.5)
+    assert policy._beside_best(1, 2, 4) == 2
+    dear = BudgetPolicy(lengths, lookup=True)
+    dear.model, dear.beside = policy.model, policy.beside
+    for _ in range(BudgetPolicy.MEASURED_MIN):
+        dear.measured_step(1, 1, 0.027, lookup_rows=4)
+        dear.measured_step(1, 2, 0.027 * 1.6, lookup_rows=4)
+    assert dear._beside_best(1, 2, 4) == 1
+
+
 def test_a_choice_climbs_one_budget_at_a_time_and_nearby_batches_share_what_was_measured():
     """Batch 16, T=0, AMD EPYC (session 33): a fit learned from lookup grafts and one-request
     explorations priced 4 head nodes for each of 16 requests as paying, and `auto` drafted them

@@ -748,8 +748,10 @@ def test_auto_feeds_the_outcome_guard_the_steps_one_arm_drafted_and_verified():
 def test_auto_measures_a_budgets_step_where_every_request_verified_it():
     """`AutoBudget.step_done` hands the policy the cost of a step at budget n when each of its
     decode requests verified n head nodes drafted last step: its own drafting swapped for last
-    step's, last step's lookup-only rows priced out at the fit's price of a row; not after a
-    prefill step (its drafting phase committed a prompt), nor where budgets or requests differ."""
+    step's, with the number of last step's lookup-only rows (the policy files such steps under
+    their own key; priced out at the fit's price of a row, they made the budget drafted beside
+    lookup look cheap, session 36); not after a prefill step (its drafting phase committed a
+    prompt), nor where budgets or requests differ."""
     import time
     from types import SimpleNamespace
 
@@ -760,8 +762,8 @@ def test_auto_measures_a_budgets_step_where_every_request_verified_it():
     auto = AutoBudget(parse_tree_spec("dynamic:10,3,3+lookup:4"))
     auto.set_rates(None)
     got = []
-    auto.policy.measured_step = lambda b, n, s: got.append((b, n, s))
-    model = StepCostModel()  # a verified row costs 10 ms (what lookup rows are priced out at)
+    auto.policy.measured_step = lambda b, n, s, lookup_rows=0: got.append((b, n, s, lookup_rows))
+    model = StepCostModel()  # a verified row costs 10 ms (lookup rows are not priced out)
     for dec, ver in [(1, 0), (8, 0), (4, 3), (32, 30), (2, 1), (16, 16), (9, 8), (40, 3),
                      (12, 0), (64, 48), (24, 0), (3, 2), (5, 5)]:
         model.add(0.005 + 0.001 * dec + 0.010 * ver, dec, 0, ver, 0)
@@ -784,13 +786,13 @@ def test_auto_measures_a_budgets_step_where_every_request_verified_it():
     step({"a": 3}, {"a": [1, 2]}, {"a": 2}, 0.004)  # after a prefill: not measured
     assert got == []
     step({"a": 3}, {"a": [1, 2]}, {"a": 3}, 0.005, pause=0.02)  # verifies 2, drafts 3
-    assert [(b, n) for b, n, _ in got] == [(1, 2)]
+    assert [(b, n, k) for b, n, _, k in got] == [(1, 2, 0)]
     # the step's seconds less its drafting (5 ms) plus last step's (4 ms)
     assert 0.02 - 0.001 <= got[0][2] <= 0.02 + 0.001 + 0.01, got
     step({"a": 4}, {"a": [1, 2, 3]}, {"a": 3}, 0.005, grafted={"a": (4, 2)})
-    step({"a": 6}, {"a": [1, 2, 3, 4, 5]}, {"a": 3}, 0.005)  # 2 lookup rows priced out
-    assert [(b, n) for b, n, _ in got] == [(1, 2), (1, 3), (1, 3)]
-    assert got[2][2] == pytest.approx(got[1][2] - 2 * c, abs=0.004), got
+    step({"a": 6}, {"a": [1, 2, 3, 4, 5]}, {"a": 3}, 0.005)  # 3 head + 2 lookup rows
+    assert [(b, n, k) for b, n, _, k in got] == [(1, 2, 0), (1, 3, 0), (1, 3, 2)]
+    assert got[2][2] == pytest.approx(got[1][2], abs=0.004), got  # not priced out
     step({"a": 3}, {"a": [1, 2]}, {"a": 3}, 0.005)  # vLLM cut the 3 drafts to 2: not measured
     assert len(got) == 3
     got.clear()
@@ -801,7 +803,7 @@ def test_auto_measures_a_budgets_step_where_every_request_verified_it():
     step({"a": 2, "b": 2}, {"a": [1], "b": [1]}, {"a": 1, "b": 1}, 0.005)  # "b" drafted nothing
     assert got == []
     step({"a": 2, "b": 2}, {"a": [1], "b": [1]}, {}, 0.0)  # both verified one node
-    assert [(b, n) for b, n, _ in got] == [(2, 1)]
+    assert [(b, n, k) for b, n, _, k in got] == [(2, 1, 0)]
 
 
 def test_auto_drafts_chains_at_small_budgets_and_its_table_says_so():
