@@ -616,8 +616,9 @@ class TreeDraftProposer:
                 elif (len(grafts) == len(eligible)
                       and not any(r in sampling for r in grafts)):
                     # every request grafts (greedy): the head budget worth drafting beside the
-                    # lookup, which may be smaller than the head alone's, and a chain (at most
-                    # chain_max nodes: a head tree's extra nodes are mostly redundant there)
+                    # lookup, which may be smaller than the head alone's (0: the lookup alone,
+                    # no head forward), and a chain (at most chain_max nodes: a head tree's
+                    # extra nodes are mostly redundant there)
                     n = self.auto.policy.graft_budget(len(eligible), n,
                                                       len(grafts) * self.spec.lookup,
                                                       cap=self.auto.chain_max)

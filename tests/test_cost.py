@@ -739,13 +739,29 @@ def test_beside_lookup_the_head_drafts_the_budget_that_pays_there():
     policy = BudgetPolicy(lengths, lookup=True)
     policy.model = fitted(0.030, 0.001, 0.002, 0.002)  # batch 1 on a CPU: a node ~4 ms of 31
     assert policy.graft_budget(1, 3, 4) == 3  # nothing measured beside lookup: the head's own
-    for _ in range(10):  # the lookup's 3-4 accepted tokens cover what the head's 2nd/3rd add
-        policy.observe_beside(3, a_head=3, a_lookup=4)
-        policy.observe_beside(3, a_head=1, a_lookup=3)
+    for _ in range(10):  # the lookup's 4 accepted tokens cover what the head's 2nd/3rd add
+        policy.observe_beside(3, a_head=3, a_lookup=4)  # (where it misses, the head's first
+        policy.observe_beside(3, a_head=1, a_lookup=0)  # node is all the step gets)
     answers = [policy.graft_budget(1, 3, 4) for _ in range(2 * BudgetPolicy.GRAFT_REFRESH)]
     assert answers.count(3) == 2 and set(answers) == {1, 3}, answers  # every 8th: refresh
     assert policy._used[(1, 1)][0] == answers.count(1)  # climbing counts the budget drafted
-    assert policy.graft_budget(1, 1, 4) == 1  # nothing below one node to choose
+    assert policy.graft_budget(1, 1, 4) == 1  # one node earns more than the lookup alone
+    # where the head adds nothing beside the lookup, the lookup alone: no head forward, and
+    # its (often chain-shaped) trie verified without the head's branch (session 37: ~31 ms a
+    # step against ~38 beside a head chain at batch 1). Not counted as a head budget used.
+    alone = BudgetPolicy(lengths, lookup=True)
+    alone.model = policy.model
+    for _ in range(10):
+        alone.observe_beside(3, a_head=3, a_lookup=4)
+        alone.observe_beside(3, a_head=1, a_lookup=3)
+    answers = [alone.graft_budget(1, 3, 4) for _ in range(2 * BudgetPolicy.GRAFT_REFRESH)]
+    assert answers.count(3) == 2 and set(answers) == {0, 3}, answers
+    assert (1, 0) not in alone._used
+    # ... unless lookup-alone steps were measured dearer than what their tokens are worth
+    for _ in range(BudgetPolicy.MEASURED_MIN):
+        alone.measured_graft(1, 0.030, 1)  # a graft alone adds 30 ms to a plain step
+    assert alone.lookup_alone_seconds(1, 4) == pytest.approx(alone.model.predict(1) + 0.030)
+    assert 0 not in {alone.graft_budget(1, 3, 4) for _ in range(BudgetPolicy.GRAFT_REFRESH)}
     deep = BudgetPolicy(lengths, lookup=True)
     deep.model = policy.model
     for _ in range(10):  # the lookup misses, the head's chain is accepted whole
@@ -761,7 +777,7 @@ def test_beside_lookup_the_head_drafts_the_budget_that_pays_there():
     assert tree._used[(1, 6)][0] == 0 and tree._used[(1, 4)][0] == 1
     for _ in range(10):
         tree.observe_beside(4, a_head=3, a_lookup=4)
-        tree.observe_beside(4, a_head=1, a_lookup=3)
+        tree.observe_beside(4, a_head=1, a_lookup=0)
     answers = [tree.graft_budget(1, 6, 4, cap=4) for _ in range(2 * BudgetPolicy.GRAFT_REFRESH)]
     assert max(answers) == 4 and min(answers) == 1, answers  # refreshes draft the cap, not 6
     assert tree.graft_budget(1, 3, 4, cap=4) in (1, 3)  # a choice within the cap: as before
