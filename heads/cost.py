@@ -492,7 +492,7 @@ class OutcomeGuard:
     replies all have one length, 3x over a wave of requests), and arms compared over their own
     recent windows, measured at different times, read 1.06-1.17x apart where both drafted
     nothing (session 35). The ON / OFF ratios of the comparisons are averaged in log space,
-    older ones fading by DECAY, and decide the lead. The probe interval (windows of the leader
+    older ones fading by DECAY, and decide the lead: ON where they average above LEAD. The probe interval (windows of the leader
     between probes) starts at PROBE_MIN, doubles up to PROBE_CLOSE while comparisons confirm
     the leader, returns to PROBE_MIN when the lead changes or one comparison alone disagrees,
     and is PROBE_MAX where one arm leads by CLEAR or more (batch 1: ~1.8x, one plain window
@@ -508,6 +508,12 @@ class OutcomeGuard:
     PROBE_MIN, PROBE_CLOSE, PROBE_MAX = 4, 16, 64
     CLEAR = 1.2
     DECAY = 0.7
+    # `auto` leads only where its windows realized this much over the plain ones beside them: a
+    # tie goes to plain ("never slower"). At batch 16, T=0 on the AMD EPYC, where nothing pays,
+    # the comparisons drifted between 0.97x and 1.03x, and on a 1.03x reading `auto` ran 78
+    # lookup steps at 71 ms against 43 for plain ones (0.943x no-spec, session 37); where
+    # drafting pays on this machine it realized 1.3-2.3x (batch 1 and 4, T=0)
+    LEAD = 1.04
 
     def __init__(self) -> None:
         self._state: dict = {}
@@ -564,9 +570,10 @@ class OutcomeGuard:
             st["log"] = self.DECAY * st["log"] + on_off
             st["weight"] = self.DECAY * st["weight"] + 1.0
             st["compared"] += 1
-            lead = st["log"] > 0.0
+            bar = math.log(self.LEAD)
+            lead = st["log"] / st["weight"] > bar
             ahead = math.exp(abs(st["log"]) / st["weight"])
-            if lead != st["lead"] or (on_off > 0.0) != lead:
+            if lead != st["lead"] or (on_off > bar) != lead:
                 # a new leader, or this comparison alone disagreed: check again soon
                 st["interval"], st["since"] = self.PROBE_MIN, 0
             else:
