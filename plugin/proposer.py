@@ -170,8 +170,7 @@ class AutoBudget:
         table = self.policy.table
         # (temperature class: greedy / sampled, budget of the head's table) -> extra tokens
         expected, observed = defaultdict(float), defaultdict(float)
-        # (class, budget) -> [expected, observed] extra tokens
-        shorter = defaultdict(lambda: [0.0, 0.0])
+        shorter = defaultdict(lambda: [0.0, 0.0])  # budget -> [expected, observed] extra tokens
         for req_id in {*self._drafted, *self._grafted}:
             if sampled.get(req_id, 0) < 1:
                 continue
@@ -192,22 +191,18 @@ class AutoBudget:
                 key = (cls, max(b for b in table if b <= n))
                 expected[key] += table[key[1]] - 1.0
                 observed[key] += got
-                if cls or (self._chain and n <= self.chain_max):  # a chain: m < n nodes are
-                    # its prefix and would have got min(got, m). A sampled request's chain is
-                    # drawn from q node by node and accepted node by node (each test its own
-                    # draw), so min(got, m) is distributed as an m-node chain's outcome too
-                    for m in table:
+                if not cls and self._chain and n <= self.chain_max:  # a greedy chain: m < n
+                    for m in table:  # nodes are its prefix and would have got min(got, m)
                         if 1 <= m < key[1]:
-                            shorter[(cls, m)][0] += table[m] - 1.0
-                            shorter[(cls, m)][1] += min(got, m)
+                            shorter[m][0] += table[m] - 1.0
+                            shorter[m][1] += min(got, m)
         for (cls, budget), e in expected.items():
             self.policy.observe(e, observed[(cls, budget)], sampled=cls, budget=budget)
-        for (cls, budget), (e, o) in shorter.items():  # budgets compared on the same steps (at
-            # batch 1 the factors of budgets 1-4, each read on the steps that drafted it, came
-            # out as 1 x0.98, 2 x0.57, 3 x0.52, 4 x0.83: a 4-node chain, measured elsewhere in
-            # the replies, looked better than 3, session 34; at T=1 `auto` drafted 3 nodes on
-            # 976 steps for the tokens per step `chain=2` got, and ran 6.4 % below it, session 37)
-            self.policy.observe(e, o, sampled=cls, budget=budget, drafted=False)
+        for budget, (e, o) in shorter.items():  # budgets compared on the same steps (at batch 1
+            # the factors of budgets 1-4, each read on the steps that drafted it, came out as
+            # 1 x0.98, 2 x0.57, 3 x0.52, 4 x0.83: a 4-node chain, measured elsewhere in the
+            # replies, looked better than 3, session 34)
+            self.policy.observe(e, o, budget=budget, drafted=False)
 
     @property
     def drafted(self) -> dict[str, int]:
