@@ -492,11 +492,11 @@ class OutcomeGuard:
     replies all have one length, 3x over a wave of requests), and arms compared over their own
     recent windows, measured at different times, read 1.06-1.17x apart where both drafted
     nothing (session 35). The ON / OFF ratios of the comparisons are averaged in log space,
-    older ones fading by DECAY, and decide the lead: ON where they average above LEAD. The probe interval (windows of the leader
-    between probes) starts at PROBE_MIN, doubles up to PROBE_CLOSE while comparisons confirm
-    the leader, returns to PROBE_MIN when the lead changes or one comparison alone disagrees,
-    and is PROBE_MAX where one arm leads by CLEAR or more (batch 1: ~1.8x, one plain window
-    per ~1,000 steps). ON runs FIRST windows before the first probe: the policy learns in
+    older ones fading by DECAY, and decide the lead: ON where they average above LEAD. The
+    probe interval (windows of the leader between probes) starts at PROBE_MIN, doubles up to
+    PROBE_CLOSE while comparisons confirm the leader, returns to PROBE_MIN when the lead
+    changes or one comparison alone disagrees, and is PROBE_MAX where one arm leads by CLEAR or
+    more (batch 1: ~1.8x, one plain window per ~1,000 steps). ON runs FIRST windows before the first probe: the policy learns in
     them. Where the arms realize about the same, the probing costs about nothing; where they
     differ, the probes are rare. The caller records only steps whose drafts and verification
     both ran under one arm, with no prefill rows (`record`)."""
@@ -730,11 +730,11 @@ class BudgetPolicy:
         self._bar = None
         self._grafting: set[int] = set()  # match lengths grafted now
         self._lengths = None  # (key, lengths()) of the last call
-        # (batch, budget) -> [decayed seconds, decayed steps, steps, model step of the last]
-        # measured (`measured_step`)
+        # (batch, budget) -> [decayed seconds, decayed steps, steps, model step of the last,
+        # decayed lookup-only rows (0 here)] measured (`measured_step`)
         self._measured: dict[tuple[int, int], list[float]] = {}
-        # the same for steps that verified lookup-only rows beside the head's (greedy grafts),
-        # with the decayed sum of those rows last (`beside_cost`, `lookup_row_price`)
+        # the same for steps that verified lookup-only rows beside the head's (`beside_cost`,
+        # `lookup_row_price`)
         self._beside: dict[tuple[int, int], list[float]] = {}
         self._planned = None  # (what `_plan` read, what it answered)
         # (batch, budget) -> [steps it was chosen (not explorations), model step of the last]
