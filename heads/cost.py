@@ -336,7 +336,9 @@ def budget_rates(model: StepCostModel, batch: int, lengths: dict[int, float],
     """Expected tokens per second of each budget in `lengths` for `batch` decoding requests
     (`step_rate`), where `measured` (budget -> seconds of a measured step at this batch) says
     what a budget costs: measured budgets at what they cost, the others at the fit's price
-    scaled as the nearest measured budget below (else above) came out against the fit."""
+    scaled as the nearest measured budget below (else above) came out against the fit;
+    `measured[0]`, a plain step's seconds, prices drafting nothing and, as the nearest below,
+    the budgets with no measured one below them."""
     predict = model.predictor()
     rate = {n: step_rate(model, batch, lengths, n, predict) for n in lengths}
     if measured:
@@ -344,7 +346,7 @@ def budget_rates(model: StepCostModel, batch: int, lengths: dict[int, float],
         for n in rate:
             near = max((m for m in scale if m <= n), default=None)
             near = min(scale, default=None) if near is None else near
-            if near is not None and n:
+            if near is not None and (n or near == 0):
                 rate[n] /= scale[near]
     return rate
 
@@ -661,6 +663,67 @@ class Acceptance:
         return out
 
 
+class ChainRates:
+    """Acceptance per depth of the chains sampled requests (T > 0) draw from the head's q: at
+    depth d, of the chains that reached it (n >= d nodes, d - 1 of them accepted), the share
+    that accepted node d too (decayed counts, `PRIOR` trials of prior weight at the table's
+    conditional rate times the class's factor `kappa`). E(n) = 1 + sum over d <= n of the
+    product of the rates up to d: every chain teaches each depth it reached, and what one more
+    node adds is a product of rates, not a difference of two noisy means. Read per budget
+    (`Acceptance.at`), the budgets' means at T=1 moved by ~0.1 tokens each over ~50 steps
+    where a third node adds ~0.03, and `auto` drafted 3-4 nodes on a third of its steps or one
+    node on most, where two paid most (batch 1, the stage-16 head, session 38: two nodes 0.71
+    tokens, four 0.74)."""
+
+    PRIOR = 2.0
+
+    def __init__(self, decay: float = 0.98) -> None:
+        self.decay = decay
+        self._trials: dict[int, float] = {}
+        self._hits: dict[int, float] = {}
+        self.version = 0
+
+    @property
+    def seen(self) -> bool:
+        return bool(self._trials)
+
+    def add(self, drafted: int, got: int) -> None:
+        """A chain of `drafted` nodes of which the first `got` were accepted."""
+        for d in range(1, drafted + 1):
+            self._trials[d] = self.decay * self._trials.get(d, 0.0) + 1.0
+            self._hits[d] = self.decay * self._hits.get(d, 0.0) + float(got >= d)
+            if got < d:
+                break
+        self.version += 1
+
+    @staticmethod
+    def table_rates(table: dict[int, float]) -> list[float]:
+        """The conditional rates of the chain budgets 1, 2, ... of `table` (E(1) - 1, then
+        (E(d) - E(d-1)) / (E(d-1) - E(d-2)))."""
+        rates, d = [], 1
+        while d in table and d - 1 in table:
+            prev = table[d - 1] - table[d - 2] if d >= 2 else 1.0
+            rates.append(min(max((table[d] - table[d - 1]) / prev, 0.0), 1.0) if prev > 0
+                         else 0.0)
+            d += 1
+        return rates
+
+    def lengths(self, table: dict[int, float], kappa: float) -> dict[int, float]:
+        """E(n) for each budget n of `table` (its chain budgets' rates the prior, the deepest
+        of them for depths beyond)."""
+        prior = self.table_rates(table) or [0.0]
+        out, e, p, d = {}, 1.0, 1.0, 0
+        for n in sorted(table):
+            while d < n:
+                d += 1
+                r = min(kappa * prior[min(d, len(prior)) - 1], 1.0)
+                t, h = self._trials.get(d, 0.0), self._hits.get(d, 0.0)
+                p *= (h + self.PRIOR * r) / (t + self.PRIOR)
+                e += p
+            out[n] = e
+        return out
+
+
 class BudgetPolicy:
     """Each step's node budget (see the module docstring): `choose` before drafting, `observe`
     what the last step's drafts earned, `step_done` with the step's counts and seconds."""
@@ -673,6 +736,13 @@ class BudgetPolicy:
     # well: the head's acceptance is checked teacher-forced on its catch-up, and what a drafting
     # request and a verified row cost is fitted from every step that drafts
     EXPLORE_REQUESTS = 1
+    # ... unless the batch is this small: there every request drafts in an exploration, and the
+    # step is measured whole (`measured_step`). Verifying pays ~1.5 ms once a step, ~0.1 ms a
+    # request and ~0.8 ms a row at batch 4 on the AMD EPYC; one request's exploration measured
+    # those together, the fit charged each of four requests all of it, and `auto` drafted
+    # nothing where one node for every request ran 1.07x no-spec (T=1, session 38). Catch-up
+    # of four requests is a few ms per exploration, and explorations are 4-256 steps apart
+    EXPLORE_ALL = 4
     # drafting must promise this much over drafting nothing ("never slower" is the contract);
     # 0.10 kept the one pass at batch 1 on an AVX2 CPU (one node: +7 % predicted, +10 %
     # measured, session 12) out of reach, so 0.05 with exploration to correct the rest
@@ -694,8 +764,15 @@ class BudgetPolicy:
     LOOKUP_TAKE, LOOKUP_KEEP = 1.25, 1.05
     # a budget's step cost measured at a batch size (`measured_step`) replaces the fit's price
     # there once MEASURED_MIN steps were measured; each measurement fades by MEASURED_DECAY per
-    # later one of the same (batch, budget) (step times drift slowly: ~10 steps of memory)
-    MEASURED_MIN, MEASURED_DECAY = 4, 0.9
+    # later one of the same (batch, budget) (step times drift slowly: ~20 steps of memory; 10
+    # until session 38)
+    MEASURED_MIN, MEASURED_DECAY = 4, 0.95
+    # once MEASURED_MIN steps were measured, a measurement enters a mean no further than this
+    # (x100 %) from it: at batch 1, T=1 on the AMD EPYC, steps at 2 head nodes measured 29.5 ms
+    # at the median but up to 43 now and then, and their mean (10 steps) moved between 28.3 and
+    # 35.8 ms over a run, more than the 0.3 ms a second node costs there; a budget left behind
+    # keeps such a mean until explored again (session 38). Clipped and over 20 steps: 28.6-32.2
+    MEASURED_CLIP = 0.15
     # a measurement not refreshed for this many steps is dropped (the machine drifts, contexts
     # grow; a budget measured dear in a noisy spell would otherwise be priced so for good)
     MEASURED_STALE = 512
@@ -713,6 +790,7 @@ class BudgetPolicy:
         # per temperature class (GREEDY, SAMPLED): the head's acceptance against its table and
         # what lookup grafts earn; None: the spec grafts no lookup
         self.acceptance = (Acceptance(), Acceptance())
+        self.chains = ChainRates()  # sampled requests' q-drawn chains, per depth
         self.lookup = (LookupValue(), LookupValue(prior=LookupValue.PRIOR_SAMPLED)
                        ) if lookup else None
         # greedy requests that graft: tokens per head budget beside the lookup
@@ -797,13 +875,19 @@ class BudgetPolicy:
 
     def lengths(self, sampled: float | None = None) -> dict[int, float]:
         """E(n) per request of a step whose share of sampled requests is `sampled` (default:
-        the step planned last), each budget by its own measured factor (`Acceptance.at`)."""
+        the step planned last): greedy requests' by each budget's own measured factor
+        (`Acceptance.at`), sampled ones' per depth of their chains (`ChainRates`) once one was
+        observed."""
         s = self._sampled if sampled is None else sampled
-        key = (s, *(a.version for a in self.acceptance))  # unchanged between observations
-        if self._lengths is None or self._lengths[0] != key:
+        key = (s, self.chains.version, *(a.version for a in self.acceptance))
+        if self._lengths is None or self._lengths[0] != key:  # (unchanged between observations)
             greedy, samp = (a.at(self.table) for a in self.acceptance)
-            self._lengths = key, {n: 1.0 + ((1.0 - s) * greedy[n] + s * samp[n]) * (e - 1.0)
-                                  if n else e for n, e in self.table.items()}
+            chains = (self.chains.lengths(self.table, self.acceptance[SAMPLED].kappa)
+                      if self.chains.seen else None)
+            self._lengths = key, {
+                n: 1.0 + (1.0 - s) * greedy[n] * (e - 1.0)
+                + s * (chains[n] - 1.0 if chains is not None else samp[n] * (e - 1.0))
+                if n else e for n, e in self.table.items()}
         return dict(self._lengths[1])
 
     def best(self, batch: int, lengths: dict[int, float] | None = None) -> int:
@@ -868,6 +952,9 @@ class BudgetPolicy:
         store = self._measured if store is None else store
         m = store.setdefault(key, [0.0, 0.0, 0, 0, 0.0])
         d = self.MEASURED_DECAY
+        if m[2] >= self.MEASURED_MIN and m[1] > 0:  # robust: a stall moves the mean little
+            mean, c = m[0] / m[1], self.MEASURED_CLIP
+            seconds = min(max(seconds, mean / (1.0 + c)), mean * (1.0 + c))
         m[0], m[1], m[2], m[3] = d * m[0] + seconds, d * m[1] + 1.0, m[2] + 1, self.model.steps
         m[4] = d * m[4] + rows
 
@@ -984,7 +1071,18 @@ class BudgetPolicy:
         nothing was measured at this batch, what was measured at the nearest batch size within
         NEAR x, scaled by the plain steps' ratio between the two (measured, else the fit's). A
         batch shrinking as requests finish (16, 15, 14, ...) otherwise met every size with the
-        fit's price alone, and tried the head at each again (session 33)."""
+        fit's price alone, and tried the head at each again (session 33).
+
+        With them, budget 0 at this batch's measured plain step (`plain_seconds`), where one
+        is: a measured budget against the fit's plain step compared a step's whole cost with a
+        line through steps of every batch size and prefill, which priced a plain step at batch
+        4 ~2 ms (8 %) below what it measured (session 38)."""
+        here = self._priced(batch)
+        if (plain := self.plain_seconds(batch)) is not None:
+            here[0] = plain
+        return here
+
+    def _priced(self, batch: int) -> dict[int, float]:
         here = self.measured(batch)
         if here or batch < 1:
             return here
@@ -1032,9 +1130,11 @@ class BudgetPolicy:
 
     def explorers(self, batch: int, explored: bool) -> int | None:
         """How many of the `batch` requests draft in a step `choose` returned `explored` for:
-        EXPLORE_REQUESTS in an exploration up from drafting nothing, else None (all)."""
+        EXPLORE_REQUESTS in an exploration up from drafting nothing at a batch above
+        EXPLORE_ALL, else None (all)."""
         few = self.EXPLORE_REQUESTS
-        return few if explored and self._choice == 0 and batch > few else None
+        return (few if explored and self._choice == 0 and batch > max(few, self.EXPLORE_ALL)
+                else None)
 
     def observe_lookup(self, match: int, nodes: int, tokens: int, sampled: bool = False
                        ) -> None:
@@ -1139,6 +1239,11 @@ class BudgetPolicy:
         would have got on steps that drafted a longer chain (greedy: a chain of `budget` nodes
         is a prefix of it), which teaches that budget's own factor only."""
         self.acceptance[sampled].add(expected_extra, observed_extra, budget, overall=drafted)
+
+    def observe_chain(self, drafted: int, got: int) -> None:
+        """A sampled request's chain of `drafted` head nodes, drawn from q, was verified: its
+        first `got` were accepted (`ChainRates`)."""
+        self.chains.add(drafted, got)
 
     def step_done(self, seconds: float, decode: int, prefill: int, verified: int,
                   drafted: int, drafting_seconds: float | None = None, requests: int = 0,

@@ -191,6 +191,8 @@ class AutoBudget:
                 key = (cls, max(b for b in table if b <= n))
                 expected[key] += table[key[1]] - 1.0
                 observed[key] += got
+                if cls:  # a sampled request's chain, drawn from q: per depth (ChainRates)
+                    self.policy.observe_chain(n, got)
                 if not cls and self._chain and n <= self.chain_max:  # a greedy chain: m < n
                     for m in table:  # nodes are its prefix and would have got min(got, m)
                         if 1 <= m < key[1]:

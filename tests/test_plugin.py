@@ -604,9 +604,10 @@ def test_auto_explores_up_from_nothing_with_a_few_requests():
 
     # before any step is measured "auto" drafts nothing and explores one node now and then,
     # with one request (the one with the least to catch up: each catches up on all its pairs)
-    # at batch 32 and at batch 4 (4 requests spent ~40 ms of catch-up per exploration, session
-    # 18); at batch 1 with it
-    for batch, few in ((32, 1), (4, 1), (1, None)):
+    # at batch 32 and 5 (4 requests spent ~40 ms of catch-up per exploration at batch 4,
+    # session 18); at batch 4 and below with all of them, so that the step every request drafts
+    # is measured whole (heads.cost.BudgetPolicy.EXPLORE_ALL, session 38)
+    for batch, few in ((32, 1), (5, 1), (4, None), (1, None)):
         auto = AutoBudget(parse_tree_spec("dynamic:10,3,3"))
         auto.set_rates(None)  # the default acceptance table: budgets 0, 1, 2, ...
         got, exploring = [], []
@@ -660,7 +661,8 @@ def test_auto_reads_every_shorter_greedy_chain_from_the_chain_drafted():
     """A greedy request's chain of n head nodes says what every chain of m < n nodes would have
     got on the same step (its prefix: min(accepted, m)); those budgets' own factors learn it,
     the overall factor does not (it counts each step once). Not for sampled requests (a draw
-    accepts by chance) nor for trees (not prefixes of one another)."""
+    accepts by chance) nor for trees (not prefixes of one another): a sampled request's chain
+    is read per depth instead (heads.cost.ChainRates)."""
     from types import SimpleNamespace
 
     from treedraft.heads.tree import parse_tree_spec
@@ -672,16 +674,26 @@ def test_auto_reads_every_shorter_greedy_chain_from_the_chain_drafted():
     step = SimpleNamespace(num_scheduled_tokens={"g": 4, "s": 4},
                            scheduled_spec_decode_tokens={"g": [1, 2, 3], "s": [1, 2, 3]})
     got = [0, 1, 3, 2, 3, 1]  # accepted drafts of g's 3-node chain, step by step
-    for k in got:
+    drew = [1, 0, 2, 0, 3, 1]  # and of s's sampled one
+    for k, j in zip(got, drew, strict=True):
         auto.choose(2, sampled=1)
         auto.step_started()
         auto.step_done(step, {"g": 3, "s": 3}, sampling={"s"})
-        auto.observe({"g": 1 + k, "s": 1})
+        auto.observe({"g": 1 + k, "s": 1 + j})
     for m in (1, 2):  # undecayed sums would be exact: compare the ratio observed / expected
         o, e = greedy._budgets[m]
         want = sum(min(k, m) for k in got) / (len(got) * (table[m] - 1.0))
         assert o / e == pytest.approx(want, rel=0.05), (m, o, e)
     assert 1 in greedy._budgets and 1 not in sampled._budgets and 2 not in sampled._budgets
+    # the sampled request's chains, per depth (heads.cost.ChainRates): depth d reached by the
+    # chains with d - 1 accepted, accepted by those with d
+    chains = auto.policy.chains
+    for d in (1, 2, 3):
+        trials = hits = 0.0
+        for j in drew:  # each count decays when its depth is reached again
+            if j >= d - 1:
+                trials, hits = chains.decay * trials + 1.0, chains.decay * hits + (j >= d)
+        assert (chains._trials[d], chains._hits[d]) == pytest.approx((trials, hits)), d
     # the overall factor counted the 3-node chain only, once a step (over its prior of 2)
     d = greedy.decay
     assert greedy.expected == pytest.approx(
