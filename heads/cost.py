@@ -1099,10 +1099,15 @@ class BudgetPolicy:
             return {n: v * plain[0] / plain[1] for n, v in there.items()}
         return {}
 
-    def choose(self, batch: int, sampled: int = 0) -> tuple[int, bool]:
+    def choose(self, batch: int, sampled: int = 0, held: bool = False) -> tuple[int, bool]:
         """(budget, explored) for a step with `batch` drafting requests, `sampled` of them
         sampling (T > 0); then `graft` says, per request, whether its lookup nodes are
-        grafted."""
+        grafted. `held`: the outcome guard holds the step plain; it still explores on the
+        policy's schedule, and is otherwise (0, False) without counting as a chosen step.
+        Held steps that never explored left a sampled class stuck: at batch 1, T=1 its first
+        ~30 steps read x0.37 of the table, the guard held plain (the policy drafted nothing:
+        a tie), and the policy ran only in the guard's rare probe windows, drafting nothing
+        there, for the whole run (session 38; session 27 saw the same)."""
         self._sampled = min(max(sampled, 0), batch) / batch if batch > 0 else 0.0
         lengths = self.lengths()
         n, rate = self._plan(batch, lengths)
@@ -1119,9 +1124,9 @@ class BudgetPolicy:
         up = [b for b in self.table if b > n]
         down = [b for b in self.table if b < n]
         if self._since < self.interval or not (up or down):
-            if n:
+            if n and not held:
                 self._use(batch, n)
-            return n, False
+            return (0 if held else n), False
         self._since, self.interval = 0, min(2 * self.interval, self.EXPLORE_MAX)
         self._up = not self._up if (up and down) else bool(up)
         if not self._up and self.model.plain_age >= StepCostModel.STALE_AFTER:

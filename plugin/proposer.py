@@ -230,21 +230,26 @@ class AutoBudget:
         self.held += not arm
         return arm
 
-    def choose(self, batch: int, sampled: int = 0) -> tuple[int, int | None]:
+    def choose(self, batch: int, sampled: int = 0, held: bool = False
+               ) -> tuple[int, int | None]:
         """(head node budget, how many of the `batch` requests draft: None for all; an
         exploration from drafting nothing drafts for `BudgetPolicy.EXPLORE_REQUESTS` of them),
         `sampled` of the requests sampling (T > 0); then `policy.graft(match length, sampled)`
-        per request: whether its lookup nodes are grafted."""
-        n, explored = self.policy.choose(batch, sampled)
+        per request: whether its lookup nodes are grafted. `held`: `allows` said no; the step
+        drafts only where the policy explores (`BudgetPolicy.choose`), and such a step is no
+        arm's for the outcome guard."""
+        n, explored = self.policy.choose(batch, sampled, held=held)
         self.explorations += explored
         self.exploring = bool(explored)
+        if held and explored:
+            self._arm = None
         now = time.monotonic()
         fitted = self.policy.model.knows_drafting and self.policy.model.fit() is not None
         # the first choice from measured drafting cost is logged at the first step that does
         # not explore (when the model first knew drafting at an exploration, the line was lost)
         first = fitted and not self._fitted
-        if not explored and (first or ((batch, n) != self._logged and now - self._log_at > 10)
-                             ) and _tp_rank0():
+        if not explored and not held and (first or ((batch, n) != self._logged
+                                                    and now - self._log_at > 10)) and _tp_rank0():
             self._fitted |= fitted
             coef = self.policy.model.coefficients
             logger.info(
@@ -584,10 +589,11 @@ class TreeDraftProposer:
         n = 0  # auto: the step's head nodes per drafting request
         if self.auto is not None and eligible and budget:
             n_sampling = sum(req_id in sampling for _, req_id, *_ in eligible)
-            if not self.auto.allows(len(eligible), n_sampling):
-                budget = 0  # the outcome guard holds this step plain
+            held = not self.auto.allows(len(eligible), n_sampling)
+            n, few = self.auto.choose(len(eligible), n_sampling, held=held)
+            if held and not self.auto.exploring:
+                budget = 0  # the outcome guard holds this step plain (it still explores)
         if self.auto is not None and eligible and budget:
-            n, few = self.auto.choose(len(eligible), n_sampling)
             if few is not None:  # explore with the requests that have the least to catch up
                 # (pending pairs; the logged ones are about as many for every decoding request,
                 # and draining them here would land in the step's time, not the drafting's)

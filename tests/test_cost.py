@@ -1035,3 +1035,21 @@ def test_sampled_chains_are_read_per_depth():
         # greedy requests keep the per-budget factors
         assert policy.lengths(sampled=0.0) == pytest.approx(table)
     assert ChainRates.table_rates(table) == pytest.approx([0.8, 0.75, 0.7, 0.7])
+
+
+def test_a_held_step_explores_on_the_policys_schedule_and_counts_as_no_choice():
+    """While the outcome guard holds steps plain the policy still explores on its schedule
+    (batch 1, T=1, session 38: a sampled class that read x0.37 early was held plain and never
+    explored again); the held steps return nothing and are not counted as chosen (climbing)."""
+    lengths = expected_lengths(RATES, 16, chain=False)
+    for model in (StepCostModel(), fitted(0.025, 0.001, 0.0005, 0.0002)):
+        free, held = BudgetPolicy(lengths), BudgetPolicy(lengths)
+        free.model = held.model = model
+        a = [free.choose(1) for _ in range(60)]
+        b = [held.choose(1, held=True) for _ in range(60)]
+        assert sum(x[1] for x in b) >= 3 and all(x == (0, False) for x in b if not x[1]), b
+        assert not held._used
+        if free.choice == 0:  # nothing chosen either way: one schedule
+            assert [x for x in b if x[1]] == [x for x in a if x[1]]
+        else:  # the free policy climbed on the steps it chose; the held one explores from 1
+            assert free._used and held.choice == 1 and {x[0] for x in b if x[1]} <= {0, 2}, b

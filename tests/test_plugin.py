@@ -750,6 +750,19 @@ def test_auto_feeds_the_outcome_guard_the_steps_one_arm_drafted_and_verified():
     step(dec, 1)
     assert got[2:] == [((2, False), 2, False)] and auto.held == held + 2
     assert "held plain by the outcome guard" in auto.tally()
+    # held, the policy still explores on its schedule (`choose(..., held=True)`); such a step
+    # and the one that verifies it are no arm's
+    explored = [False]  # the step before the loop: held, no exploration
+    for _ in range(12):
+        auto.step_started()
+        auto.observe({"a": 1, "b": 1})
+        assert not auto.allows(2)
+        n, _ = auto.choose(2, held=True)
+        assert (auto._arm is None) == auto.exploring and (n == 0 or auto.exploring)
+        explored.append(auto.exploring)
+        auto.step_done(dec, {})
+    recorded = sum(not (x or y) for x, y in zip(explored, explored[1:]))
+    assert sum(explored) >= 1 and len(got) == 3 + recorded, (explored, got)
     # head steps are counted with how many of them grafted lookup beside the head
     for grafted in ({"a": (2, 3)}, {}):
         auto.step_started()
