@@ -13,6 +13,7 @@ layout, the accepted-path KV copy, tree-step bookkeeping, and `--speculative-con
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from types import SimpleNamespace
@@ -761,7 +762,7 @@ def test_auto_feeds_the_outcome_guard_the_steps_one_arm_drafted_and_verified():
         assert (auto._arm is None) == auto.exploring and (n == 0 or auto.exploring)
         explored.append(auto.exploring)
         auto.step_done(dec, {})
-    recorded = sum(not (x or y) for x, y in zip(explored, explored[1:]))
+    recorded = sum(not (x or y) for x, y in itertools.pairwise(explored))
     assert sum(explored) >= 1 and len(got) == 3 + recorded, (explored, got)
     # head steps are counted with how many of them grafted lookup beside the head
     for grafted in ({"a": (2, 3)}, {}):
