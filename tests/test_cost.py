@@ -1053,3 +1053,12 @@ def test_a_held_step_explores_on_the_policys_schedule_and_counts_as_no_choice():
             assert [x for x in b if x[1]] == [x for x in a if x[1]]
         else:  # the free policy climbed on the steps it chose; the held one explores from 1
             assert free._used and held.choice == 1 and {x[0] for x in b if x[1]} <= {0, 2}, b
+    # a choice that takes turns (batch 1: one node pays; 64: none does) explores every few
+    # steps where the policy runs, but not while held: explorations back off as ever
+    turns, held = BudgetPolicy(lengths), BudgetPolicy(lengths)
+    turns.model = held.model = fitted(0.025, 0.001, 0.0005, 0.0002)
+    assert turns.best(1) != turns.best(64)
+    a = [turns.choose((1, 64)[i % 2]) for i in range(400)]
+    b = [held.choose((1, 64)[i % 2], held=True) for i in range(400)]
+    assert sum(x[1] for x in a) > 50 and 3 <= sum(x[1] for x in b) <= 12, (
+        sum(x[1] for x in a), sum(x[1] for x in b))
