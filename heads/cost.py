@@ -736,13 +736,10 @@ class BudgetPolicy:
     # well: the head's acceptance is checked teacher-forced on its catch-up, and what a drafting
     # request and a verified row cost is fitted from every step that drafts
     EXPLORE_REQUESTS = 1
-    # ... unless the batch is this small: there every request drafts in an exploration, and the
-    # step is measured whole (`measured_step`). Verifying pays ~1.5 ms once a step, ~0.1 ms a
-    # request and ~0.8 ms a row at batch 4 on the AMD EPYC; one request's exploration measured
-    # those together, the fit charged each of four requests all of it, and `auto` drafted
-    # nothing where one node for every request ran 1.07x no-spec (T=1, session 38). Catch-up
-    # of four requests is a few ms per exploration, and explorations are 4-256 steps apart
-    EXPLORE_ALL = 4
+    # (session 38 tried every request at batch <= 4, so that the step where all draft is
+    # measured whole: at batch 4, T=1 on the AMD EPYC explorations took 43-47 ms against ~36,
+    # `auto` still drafted nothing, rightly, in three runs (one node for every request ran
+    # 0.976-1.045x no-spec), and ran ~1 % slower: reverted)
     # drafting must promise this much over drafting nothing ("never slower" is the contract);
     # 0.10 kept the one pass at batch 1 on an AVX2 CPU (one node: +7 % predicted, +10 %
     # measured, session 12) out of reach, so 0.05 with exploration to correct the rest
@@ -1139,11 +1136,9 @@ class BudgetPolicy:
 
     def explorers(self, batch: int, explored: bool) -> int | None:
         """How many of the `batch` requests draft in a step `choose` returned `explored` for:
-        EXPLORE_REQUESTS in an exploration up from drafting nothing at a batch above
-        EXPLORE_ALL, else None (all)."""
+        EXPLORE_REQUESTS in an exploration up from drafting nothing, else None (all)."""
         few = self.EXPLORE_REQUESTS
-        return (few if explored and self._choice == 0 and batch > max(few, self.EXPLORE_ALL)
-                else None)
+        return few if explored and self._choice == 0 and batch > few else None
 
     def observe_lookup(self, match: int, nodes: int, tokens: int, sampled: bool = False
                        ) -> None:

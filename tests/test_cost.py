@@ -907,56 +907,6 @@ def test_the_outcome_guard_lets_auto_lead_only_by_a_margin():
     assert ahead._state[(16, False)]["lead"] is True
 
 
-def simulate_engine(cost, draft, batch: int, steps: int, lengths) -> tuple[float, list[int]]:
-    """A serving loop as the engine runs `auto` (plugin/proposer.py): a step verifies last
-    step's drafts (`cost(requests verifying, rows)` seconds, plain included) and drafts for the
-    next (`draft(requests, nodes)`); an exploration up from nothing drafts for
-    `BudgetPolicy.explorers` requests; a step is measured at a budget (`measured_step`) where
-    every request verified it, its own drafting swapped for last step's. Drafts accept as the
-    head's table says. Returns (tokens/s against no speculation, budgets)."""
-    policy = BudgetPolicy(lengths)
-    for pre in (40, 120, 80):
-        policy.step_done(cost(0, 0) + 0.0001 * pre, 0, pre, 0, 0)
-    tokens = seconds = 0.0
-    last, last_k, last_draft, budgets = 0, 0, 0.0, []
-    for _ in range(steps):
-        extra = lengths[last] - 1.0 if last else 0.0
-        if last_k:
-            policy.observe(last_k * extra, last_k * extra, budget=last)
-        n, explored = policy.choose(batch)
-        k = (policy.explorers(batch, explored) or batch) if n else 0
-        d = draft(k, k * n) if n else 0.0
-        t = cost(last_k, last_k * last) + d
-        policy.step_done(t, batch, 0, last_k * last, k * n, d if n else None, k, last_k)
-        if last_k in (0, batch):
-            policy.measured_step(batch, last if last_k else 0, t - d + last_draft)
-        tokens, seconds = tokens + batch + last_k * extra, seconds + t
-        last, last_k, last_draft = n, k, d
-        budgets.append(n)
-    return (tokens / seconds) / (batch / cost(0, 0)), budgets
-
-
-def test_an_exploration_at_a_small_batch_measures_the_step_every_request_drafts():
-    """Batch 4, T=1 on the AMD EPYC (session 37): a plain step ~27 ms, one head node for each
-    request 35.9 ms with 1.41 tokens each (`chain=1` 1.07x no-spec), two 42.1 ms with 1.6.
-    Verifying pays ~1.5 ms once a step, 0.1 ms a request and 0.8 ms a row; explorations of
-    one request of four measured 2.4 ms for one request's row, and the fit charged each of
-    four that (4 x 2.4 ms + drafting: no budget paid), so `auto` drafted nothing. An
-    exploration at a batch this small drafts for every request: the step is measured whole."""
-    noise = random.Random(7)
-
-    def cost(k, rows):
-        return (0.027 + (0.0015 + 0.0001 * k if k else 0.0) + 0.0008 * rows) * (
-            1 + 0.02 * (2 * noise.random() - 1))
-
-    def draft(k, nodes):
-        return 0.0018 + 0.0005 * nodes + 0.001 * (nodes // max(k, 1) - 1)
-
-    lengths = {0: 1.0, 1: 1.42, 2: 1.6, 3: 1.7}
-    speed, budgets = simulate_engine(cost, draft, 4, 600, lengths)
-    assert budgets[-200:].count(1) >= 180 and speed > 1.03, (speed, budgets[-40:])
-
-
 def test_a_measured_budget_is_weighed_against_the_measured_plain_step():
     """Batch 4 on the AMD EPYC (session 38): plain steps measured ~27 ms where the fit, a line
     through steps of every batch size and prefill, said ~25; one node for every request
