@@ -687,6 +687,10 @@ class ChainRates:
     def seen(self) -> bool:
         return bool(self._trials)
 
+    def trials(self, depth: int) -> float:
+        """Chains that reached `depth` (decayed)."""
+        return self._trials.get(depth, 0.0)
+
     def add(self, drafted: int, got: int) -> None:
         """A chain of `drafted` nodes of which the first `got` were accepted."""
         for d in range(1, drafted + 1):
@@ -780,6 +784,13 @@ class BudgetPolicy:
     # every GRAFT_REFRESH-th step whose requests all graft drafts the head's own choice, so the
     # budgets above a smaller one taken beside lookup are measured again (`graft_budget`)
     GRAFT_REFRESH = 8
+    # a step of mostly sampled requests that drafts nothing explores every EXPLORE_MIN steps
+    # until their chains were tried this many times at depth 1 (`ChainRates`, decayed): at
+    # batch 1, T=1 a run's first ~13-30 draws read x0.37-0.45 of the table where steady
+    # drafting reads ~x0.7, `auto` chose nothing, its explorations backed off to one in 256
+    # steps, and it drafted nothing for 812 steps (for a whole run before held steps explored;
+    # session 38). Sampled requests have no teacher-forced check to learn from meanwhile
+    CHAIN_EVIDENCE = 30
 
     def __init__(self, lengths: dict[int, float], lookup: bool = False) -> None:
         self.table = dict(lengths)  # E(n) of the head's rate table
@@ -1124,6 +1135,8 @@ class BudgetPolicy:
                 self._bar = (self.lookup_row_price(batch), coef[5], rate, batch)
         up = [b for b in self.table if b > n]
         down = [b for b in self.table if b < n]
+        if not n and 2 * self._sampled > 1 and self.chains.trials(1) < self.CHAIN_EVIDENCE:
+            self.interval = self.EXPLORE_MIN  # mostly sampled, drafting nothing on few draws
         if self._since < self.interval or not (up or down):
             if n and not held:
                 self._use(batch, n)

@@ -1012,3 +1012,27 @@ def test_a_held_step_explores_on_the_policys_schedule_and_counts_as_no_choice():
     b = [held.choose((1, 64)[i % 2], held=True) for i in range(400)]
     assert sum(x[1] for x in a) > 50 and 3 <= sum(x[1] for x in b) <= 12, (
         sum(x[1] for x in a), sum(x[1] for x in b))
+
+
+def test_sampled_requests_drafting_nothing_on_few_draws_keep_exploring():
+    """Batch 1, T=1 (session 38): the first ~13-30 sampled draws of a run read x0.37-0.45 of
+    the table, `auto` chose nothing and its explorations backed off to one in 256 steps: 812
+    steps plain. While the sampled class's chains were tried fewer than CHAIN_EVIDENCE times
+    at depth 1, a mostly sampled step that drafts nothing explores every EXPLORE_MIN steps;
+    greedy steps (teacher-forced checks teach them) and later ones back off as ever."""
+    lengths = expected_lengths(RATES, 16, chain=False)
+    policy, greedy = BudgetPolicy(lengths), BudgetPolicy(lengths)  # no fit: nothing pays
+    explored = []
+    for _ in range(300):
+        n, e = policy.choose(1, sampled=1)
+        greedy.choose(1)
+        explored.append(e)
+        if e and n:
+            policy.observe_chain(n, 0)  # a draw the target rejected
+    first = [i for i, e in enumerate(explored) if e]
+    assert len(first) >= BudgetPolicy.CHAIN_EVIDENCE, len(first)
+    gaps = [b - a for a, b in pairwise(first)]
+    assert max(gaps[: BudgetPolicy.CHAIN_EVIDENCE - 2]) == BudgetPolicy.EXPLORE_MIN, gaps
+    assert policy.chains.trials(1) >= BudgetPolicy.CHAIN_EVIDENCE - 1
+    assert gaps[-1] > BudgetPolicy.EXPLORE_MIN, gaps  # enough draws: backing off again
+    assert greedy.interval >= 64 * BudgetPolicy.EXPLORE_MIN
