@@ -677,7 +677,9 @@ class ChainRates:
 
     PRIOR = 2.0
 
-    def __init__(self, decay: float = 0.98) -> None:
+    def __init__(self, table: dict[int, float], decay: float = 0.98) -> None:
+        self.table = dict(table)  # E(n) of the head's rate table: its budgets, the prior
+        self.prior = self.table_rates(table) or [0.0]
         self.decay = decay
         self._trials: dict[int, float] = {}
         self._hits: dict[int, float] = {}
@@ -712,12 +714,12 @@ class ChainRates:
             d += 1
         return rates
 
-    def lengths(self, table: dict[int, float], kappa: float) -> dict[int, float]:
-        """E(n) for each budget n of `table` (its chain budgets' rates the prior, the deepest
+    def lengths(self, kappa: float) -> dict[int, float]:
+        """E(n) for each budget n of the table (its chain budgets' rates the prior, the deepest
         of them for depths beyond)."""
-        prior = self.table_rates(table) or [0.0]
+        prior = self.prior
         out, e, p, d = {}, 1.0, 1.0, 0
-        for n in sorted(table):
+        for n in sorted(self.table):
             while d < n:
                 d += 1
                 r = min(kappa * prior[min(d, len(prior)) - 1], 1.0)
@@ -798,7 +800,7 @@ class BudgetPolicy:
         # per temperature class (GREEDY, SAMPLED): the head's acceptance against its table and
         # what lookup grafts earn; None: the spec grafts no lookup
         self.acceptance = (Acceptance(), Acceptance())
-        self.chains = ChainRates()  # sampled requests' q-drawn chains, per depth
+        self.chains = ChainRates(lengths)  # sampled requests' q-drawn chains, per depth
         self.lookup = (LookupValue(), LookupValue(prior=LookupValue.PRIOR_SAMPLED)
                        ) if lookup else None
         # greedy requests that graft: tokens per head budget beside the lookup
@@ -889,13 +891,15 @@ class BudgetPolicy:
         s = self._sampled if sampled is None else sampled
         key = (s, self.chains.version, *(a.version for a in self.acceptance))
         if self._lengths is None or self._lengths[0] != key:  # (unchanged between observations)
-            greedy, samp = (a.at(self.table) for a in self.acceptance)
-            chains = (self.chains.lengths(self.table, self.acceptance[SAMPLED].kappa)
-                      if self.chains.seen else None)
-            self._lengths = key, {
-                n: 1.0 + (1.0 - s) * greedy[n] * (e - 1.0)
-                + s * (chains[n] - 1.0 if chains is not None else samp[n] * (e - 1.0))
-                if n else e for n, e in self.table.items()}
+            greedy = self.acceptance[GREEDY].at(self.table)
+            if self.chains.seen:
+                chains = self.chains.lengths(self.acceptance[SAMPLED].kappa)
+                samp = {n: chains[n] - 1.0 for n in self.table}
+            else:  # no sampled chain yet: the class's factors (its prior) on the table
+                factor = self.acceptance[SAMPLED].at(self.table)
+                samp = {n: factor[n] * (e - 1.0) for n, e in self.table.items() if n}
+            self._lengths = key, {n: 1.0 + (1.0 - s) * greedy[n] * (e - 1.0) + s * samp[n]
+                                  if n else e for n, e in self.table.items()}
         return dict(self._lengths[1])
 
     def best(self, batch: int, lengths: dict[int, float] | None = None) -> int:
