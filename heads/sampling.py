@@ -339,13 +339,13 @@ def draft_chains(jobs: Sequence[tuple[int, object, SamplingParams, torch.Generat
         if many is not None:
             rows, ids, vocab = many([(e, t, [d]) for e, t in zip(expanders, trees, strict=True)])
         else:
-            rows = [e.expand(t, [d])[0] for e, t in zip(expanders, trees, strict=True)]
-        for i, (_, _, params, generator) in enumerate(jobs):
-            q = process_logits(rows[i], params)  # [V or Vd]
-            j = int(q.argmax()) if params.greedy else draw(q, generator)
-            tokens[i].append(j if ids is None else int(ids[j]))
-            logprobs[i].append(float(q[j].log()))
-            qs[i].append(q)
+            rows = torch.stack([e.expand(t, [d])[0] for e, t in zip(expanders, trees, strict=True)])
+        q, j = _draw_level(rows, [(params, generator) for _, _, params, generator in jobs])
+        lq = q[torch.arange(len(jobs), device=q.device), j].log().tolist()
+        for i, x in enumerate((j if ids is None else ids[j.to(ids.device)]).tolist()):
+            tokens[i].append(x)
+            logprobs[i].append(lq[i])
+            qs[i].append(q[i])
     out = []
     for t, lp, q in zip(tokens, logprobs, qs, strict=True):
         q = torch.stack(q)
@@ -353,6 +353,38 @@ def draft_chains(jobs: Sequence[tuple[int, object, SamplingParams, torch.Generat
             q = q.new_zeros(depth, vocab).index_copy_(1, ids.to(q.device), q)
         out.append((_chain(t, lp), q))
     return out
+
+
+def _draw_level(rows: Tensor, draws: Sequence[tuple[SamplingParams, torch.Generator | None]]
+                ) -> tuple[Tensor, Tensor]:
+    """One level of `draft_chains`: rows [N, V] of the head's logits, draws (params, generator)
+    per row -> (q [N, V] float32, the drawn index [N]). `process_logits` once per distinct
+    params (row-wise, so what each row gets alone), argmax for greedy rows, and one `draw_rows`
+    for all sampled rows at their uniforms, each drawn from its row's generator in row order
+    (as `draw` one row at a time: the same numbers from the same generators). On a 2-core CPU
+    the per-row calls were ~0.15 ms a sampled request and level (batch 4, T=1, session 39)."""
+    n = rows.shape[0]
+    q = torch.empty(rows.shape, dtype=torch.float32, device=rows.device)
+    groups: dict[SamplingParams, list[int]] = {}
+    for i, (params, _) in enumerate(draws):
+        groups.setdefault(params, []).append(i)
+    for params, idx in groups.items():
+        if len(idx) == n:
+            q = process_logits(rows, params)
+        else:
+            at = torch.tensor(idx, device=rows.device)
+            q[at] = process_logits(rows[at], params)
+    j = q.argmax(dim=-1)  # greedy rows' draft (process_logits' one-hot of the first argmax)
+    sampled = [i for i, (params, _) in enumerate(draws) if not params.greedy]
+    if sampled:
+        u = torch.cat([torch.rand(1, generator=draws[i][1], dtype=torch.float64,
+                                  device=rows.device) for i in sampled])
+        at = torch.tensor(sampled, device=rows.device)
+        picked = draw_rows(q[at], u)
+        if bool((picked < 0).any()):
+            raise ValueError("draw needs probabilities with a positive sum")
+        j[at] = picked
+    return q, j
 
 
 def verify_chain(draft_tokens: Sequence[int], draft_probs: Tensor, target_logits: Tensor,

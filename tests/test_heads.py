@@ -218,17 +218,19 @@ def test_sampled_chains_drafted_together_equal_one_by_one_and_the_full_vocab_q(d
     """draft_chains (one head forward per level for all requests, q over the draft vocabulary):
     each request draws what it draws alone from its seeded generator, and q at every depth is
     the full-vocabulary q of that chain (process_logits of `expand`), scattered to the target's
-    vocabulary, with log q of each draft in the chain."""
+    vocabulary, with log q of each draft in the chain. Requests with the same parameters are
+    processed together within a level (`_draw_level`), the others apart: both are checked."""
     from treedraft.heads.sampling import SamplingParams, draft_chains, process_logits
 
     head = make_eagle(draft_vocab_size=draft_vocab)
     if draft_vocab:
         head.set_draft_vocab(torch.randperm(V, generator=torch.Generator().manual_seed(5))[:10])
     params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5),
-              SamplingParams(temperature=1.3, top_p=0.8), SamplingParams()]  # the last: greedy
+              SamplingParams(temperature=1.3, top_p=0.8), SamplingParams(),  # greedy
+              SamplingParams(temperature=1.0)]  # the first's parameters again
     g = torch.Generator().manual_seed(4)
-    hidden = [torch.randn(3 + i, H, generator=g) for i in range(4)]
-    toks = [torch.randint(0, V, (3 + i,), generator=g) for i in range(4)]
+    hidden = [torch.randn(3 + i, H, generator=g) for i in range(len(params))]
+    toks = [torch.randint(0, V, (3 + i,), generator=g) for i in range(len(params))]
 
     def sessions():
         out = []
@@ -258,7 +260,7 @@ def test_sampled_chains_drafted_together_equal_one_by_one_and_the_full_vocab_q(d
             assert set(drafts.tolist()) <= set(head.d2t.tolist())
         if p.greedy:
             assert torch.equal(q.argmax(-1), drafts)
-    assert len({tuple(c.tokens.tolist()) for c, _ in together}) == 4  # the requests differ
+    assert len({tuple(c.tokens.tolist()) for c, _ in together}) == 5  # the requests differ
 
 
 @pytest.mark.parametrize("layout", ["eagle1", "eagle3"])
