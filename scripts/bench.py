@@ -17,7 +17,8 @@ batch runs as one smaller wave: the batch column then says `8 (≤3)`)
 and temperature; a progress bar per configuration shows which one runs, tokens so far and an
 estimate of what is left of the whole run. Writes OUT/bench.json (tokens/s, TPOT, mean
 acceptance length, per-depth acceptance, speedup vs no-spec per row, the machine), OUT/bench.md
-(the table) and two PNG plots (speedup vs batch size; acceptance per depth); prints the table
+(the table and `speedup_chart`, the speedups as text bars) and two PNG plots (speedup vs batch
+size; acceptance per depth); prints the table
 and the best speedup last. TPOT here is wave wall time / the wave's longest output, i.e. the
 time per output token a stream of that wave saw. Rows also hold `tau_per_pass` (tokens per
 target pass, `target_passes`), which unlike vLLM's mean acceptance length counts the passes where
@@ -343,6 +344,38 @@ def tau_markdown(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def speedup_chart(rows: list[dict], baseline: str, per_char: float = 0.1) -> str:
+    """Speedup against the baseline as text bars, one block per (T, batch), one bar per
+    configuration (the baseline left out), `per_char` x a character, `│` at 1.0x: a plot that
+    reads in a terminal, in bench.md and in the README without an image."""
+    eighths = " ▏▎▍▌▋▊▉"
+    mark = round(1.0 / per_char)
+    configs = [c for c in dict.fromkeys(r["config"] for r in rows) if c != baseline]
+    width = max((len(c) for c in configs), default=0)
+    span = max([mark + 1, *(round(r["speedup"] / per_char + 0.5) for r in rows)])
+    out = []
+    for t in sorted({r["temperature"] for r in rows if r["config"] != baseline}):
+        out.append(f"speedup vs {baseline}, T={t:g} (█ = {per_char:g}x, │ = 1.0x)")
+        for bs in sorted({r["batch_size"] for r in rows
+                          if r["temperature"] == t and r["config"] != baseline}):
+            here = {r["config"]: r for r in rows
+                    if (r["temperature"], r["batch_size"]) == (t, bs)}
+            out.append(f"batch {bs}")
+            for c in (c for c in configs if c in here):
+                r = here[c]
+                eights = max(0, round(8 * r["speedup"] / per_char))
+                bar = list("█" * (eights // 8) + (eighths[eights % 8] if eights % 8 else ""))
+                bar += [" "] * (span - len(bar))
+                if bar[mark] == " ":
+                    bar[mark] = "│"
+                value = f"{r['speedup']:.2f}x"
+                if r.get("speedup_range"):
+                    value += " ({:.2f}-{:.2f})".format(*r["speedup_range"])
+                out.append(f"  {c:<{width}} {''.join(bar)}  {value}")
+        out.append("")
+    return "\n".join(out)
+
+
 def plots(rows: list[dict], out: Path) -> list[Path]:
     try:
         import matplotlib
@@ -530,16 +563,19 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
     table = markdown(rows)
     if len(groups) > 1:
         table += "\n" + tau_markdown(rows)
+    # plots and the closing line: the first prompt set's rows (its total when by category)
+    first = next(iter(sets))
+    main = f"{first} (all)" if any(r["prompts"] == f"{first} (all)" for r in rows) \
+        else sets[first][0]
+    chart = speedup_chart([r for r in rows if r["prompts"] == main], configs[0])
+    if chart:
+        table += f"\nspeedup vs {configs[0]} ({main}):\n\n```text\n{chart}```\n"
     (out / "bench.md").write_text(table)
     if profile:
         ptable = profile_markdown(rows)
         (out / "profile.md").write_text(ptable)
         table += "\nms per engine step (tree attention within forward, KV compaction within " \
                  "verify):\n\n" + ptable
-    # plots and the closing line: the first prompt set's rows (its total when by category)
-    first = next(iter(sets))
-    main = f"{first} (all)" if any(r["prompts"] == f"{first} (all)" for r in rows) \
-        else sets[first][0]
     for p in plots([r for r in rows if r["prompts"] == main], out):
         print(f"wrote {p}")
     print(f"wrote {out / 'bench.json'} and {out / 'bench.md'} "

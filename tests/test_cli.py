@@ -350,6 +350,32 @@ def test_bench_progress_estimate_and_closing_line():
     assert PRESETS["full"]["limit"] == 80 and PRESETS["full"]["max_new_tokens"] == 256
 
 
+def test_bench_speedup_chart_bars_scale_mark_and_ranges():
+    """bench.md's plot as text: a bar per configuration and (T, batch), 0.1x a character in
+    eighths, `│` at 1.0x where a bar ends short of it, values aligned, the rounds' range."""
+    from treedraft.scripts.bench import speedup_chart
+
+    def row(config, t, bs, s, **kw):
+        return {"config": config, "temperature": t, "batch_size": bs, "speedup": s, **kw}
+
+    chart = speedup_chart([row("no-spec", 0.0, 1, 1.0), row("auto", 0.0, 1, 1.5,
+                                                             speedup_range=[1.4, 1.6]),
+                           row("ngram=4", 0.0, 1, 0.85), row("no-spec", 0.0, 16, 1.0),
+                           row("auto", 0.0, 16, 0.95), row("auto", 1.0, 4, 1.0)], "no-spec")
+    lines = chart.splitlines()
+    assert lines[0] == "speedup vs no-spec, T=0 (█ = 0.1x, │ = 1.0x)"
+    assert not any(ln.startswith("  no-spec") for ln in lines)  # the baseline has no bar
+    block = lines[lines.index("batch 1") + 1 : lines.index("batch 16")]
+    bars = {ln.split()[0]: ln for ln in block}
+    assert bars["auto"].count("█") == 15 and bars["auto"].endswith("1.50x (1.40-1.60)")
+    assert bars["ngram=4"].count("█") == 8 and "▌ │" in bars["ngram=4"]  # 0.85: 8.5 chars
+    assert len({ln.index("x") for ln in block}) == 1  # the values start in one column
+    below = lines[lines.index("batch 16") + 1]
+    assert below.count("█") == 9 and "▌│" in below and below.endswith("0.95x")
+    assert "speedup vs no-spec, T=1" in chart and "batch 4" in chart
+    assert speedup_chart([row("no-spec", 0.0, 1, 1.0)], "no-spec") == ""  # nothing to plot
+
+
 def test_bench_reports_the_other_configs_when_one_engine_fails(tmp_path, monkeypatch, capsys):
     """An engine that dies (session 26: vLLM's ngram at T=1) costs its own row, not the bench:
     the other configurations run and are tabled, the failure is named with its log; a failed
@@ -382,6 +408,8 @@ def test_bench_reports_the_other_configs_when_one_engine_fails(tmp_path, monkeyp
     assert "FAILED, not in the table: ngram=3" in out
     assert "Worker failed" in (tmp_path / "b" / "engine-1.log").read_text()
     assert json.loads((tmp_path / "b" / "bench.json").read_text())["meta"]["failed"] == ["ngram=3"]
+    md = (tmp_path / "b" / "bench.md").read_text()  # the chart of what ran, the baseline left out
+    assert "speedup vs no-spec, T=0" in md and "  chain=2 " in md and "ngram=3" not in md
     with pytest.raises(RuntimeError, match="engine run failed"):
         bench(configs=["ngram=3", "no-spec"], **kw)
 
