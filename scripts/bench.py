@@ -349,10 +349,15 @@ def speedup_chart(rows: list[dict], baseline: str, per_char: float = 0.1) -> str
     configuration (the baseline left out), `per_char` x a character, `│` at 1.0x: a plot that
     reads in a terminal, in bench.md and in the README without an image."""
     eighths = " ▏▎▍▌▋▊▉"
+
+    def bar(speedup: float) -> str:
+        n = max(0, round(8 * speedup / per_char))
+        return "█" * (n // 8) + (eighths[n % 8] if n % 8 else "")
+
     mark = round(1.0 / per_char)
     configs = [c for c in dict.fromkeys(r["config"] for r in rows) if c != baseline]
     width = max((len(c) for c in configs), default=0)
-    span = max([mark + 1, *(round(r["speedup"] / per_char + 0.5) for r in rows)])
+    span = max([mark + 1, *(len(bar(r["speedup"])) for r in rows)])  # values in one column
     out = []
     for t in sorted({r["temperature"] for r in rows if r["config"] != baseline}):
         out.append(f"speedup vs {baseline}, T={t:g} (█ = {per_char:g}x, │ = 1.0x)")
@@ -363,15 +368,13 @@ def speedup_chart(rows: list[dict], baseline: str, per_char: float = 0.1) -> str
             out.append(f"batch {bs}")
             for c in (c for c in configs if c in here):
                 r = here[c]
-                eights = max(0, round(8 * r["speedup"] / per_char))
-                bar = list("█" * (eights // 8) + (eighths[eights % 8] if eights % 8 else ""))
-                bar += [" "] * (span - len(bar))
-                if bar[mark] == " ":
-                    bar[mark] = "│"
+                cells = list(bar(r["speedup"]).ljust(span))
+                if cells[mark] == " ":
+                    cells[mark] = "│"
                 value = f"{r['speedup']:.2f}x"
                 if r.get("speedup_range"):
                     value += " ({:.2f}-{:.2f})".format(*r["speedup_range"])
-                out.append(f"  {c:<{width}} {''.join(bar)}  {value}")
+                out.append(f"  {c:<{width}} {''.join(cells)}  {value}")
         out.append("")
     return "\n".join(out)
 
@@ -567,7 +570,8 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
     first = next(iter(sets))
     main = f"{first} (all)" if any(r["prompts"] == f"{first} (all)" for r in rows) \
         else sets[first][0]
-    chart = speedup_chart([r for r in rows if r["prompts"] == main], configs[0])
+    shown = [r for r in rows if r["prompts"] == main]
+    chart = speedup_chart(shown, configs[0])
     if chart:
         table += f"\nspeedup vs {configs[0]} ({main}):\n\n```text\n{chart}```\n"
     (out / "bench.md").write_text(table)
@@ -576,12 +580,12 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
         (out / "profile.md").write_text(ptable)
         table += "\nms per engine step (tree attention within forward, KV compaction within " \
                  "verify):\n\n" + ptable
-    for p in plots([r for r in rows if r["prompts"] == main], out):
+    for p in plots(shown, out):
         print(f"wrote {p}")
     print(f"wrote {out / 'bench.json'} and {out / 'bench.md'} "
           f"({sum(progress.finished) / 60:.1f} min; {machine})\n")
     print(table)
-    print(best_speedup([r for r in rows if r["prompts"] == main], configs[0])
+    print(best_speedup(shown, configs[0])
           + (f" ({main})" if len(groups) > 1 else ""))
     if failed:
         print(f"[bench] FAILED, not in the table: {', '.join(failed)} (engine logs in {out})")
