@@ -7,6 +7,8 @@
 - ``tree``: token trees as data (paths -> buffers), static / dynamic (EAGLE-2) drafting.
 - ``sampling``: target logits processing and exact tree verification (greedy and sampled).
 - ``reference``: the reference tree decoder, ground truth for the vLLM plugin.
+- ``shipped``: the heads shipped under ``zoo/`` by short name, and treedraft's cache folder.
+- ``machine``: this CPU's ISA flags and the dtype picked from them (serving and training).
 """
 
 from .common import DraftHead, TargetSignature, load_head

@@ -23,7 +23,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 from vllm.platforms import current_platform
 
-from treedraft.training.machine import CpuInfo, cpu_info
+from treedraft.heads.machine import CpuInfo, cpu_info
 
 logger = init_logger("vllm.treedraft")
 PACKED_DTYPES = (torch.bfloat16, torch.float16)

@@ -45,7 +45,7 @@ of its own round), with their range (`speedup_range`, shown in the table as `1.0
 forward, tree attention inside it, verification, KV compaction inside it, drafting, the rest);
 rows gain `profile_ms` (milliseconds per engine step) and OUT/profile.md holds the table.
 
-dtype: `auto` (default) is this machine's choice (training/machine.py): bfloat16 where the CPU
+dtype: `auto` (default) is this machine's choice (heads/machine.py): bfloat16 where the CPU
 has AMX/AVX512-BF16, float32 on AVX2-only CPUs, where vLLM's bf16 runs several times slower;
 `--dtype` overrides it. The quick preset runs engines eager (each compiled engine takes minutes
 to start on a 2-core CPU); `--full` compiles, as `vllm serve` does by default.
@@ -483,10 +483,10 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
           rounds: int = 1, continuous: bool = False) -> list[dict]:
     from transformers import AutoTokenizer
 
+    from treedraft.heads.machine import describe, resolve_dtype
+    from treedraft.heads.shipped import resolve_head
     from treedraft.plugin.profile import PROFILE_ENV
     from treedraft.training.data import first_turn, load_prompts, prompt_categories
-    from treedraft.training.heads_zoo import resolve_head
-    from treedraft.training.machine import describe, resolve_dtype
     from treedraft.training.models import resolve_model
     from treedraft.training.target import encode_chat
 

@@ -25,8 +25,8 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from treedraft.heads.lookup import LookupIndex
+    from treedraft.heads.machine import describe
     from treedraft.training.data import load_prompts
-    from treedraft.training.machine import describe
     from treedraft.training.models import resolve_model
 
     tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))

@@ -133,7 +133,7 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="--key=value TrainConfig overrides for both "
                     "recipes (after --)")
     a = ap.parse_args()
-    from treedraft.training.machine import describe
+    from treedraft.heads.machine import describe
 
     recipes = dict(RECIPES)
     for v in a.variant:

@@ -62,10 +62,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("overrides", nargs="*", help="--key=value TrainConfig overrides (after --)")
     a = ap.parse_args()
+    from treedraft.heads.machine import describe
     from treedraft.training.config import load_config
     from treedraft.training.generate import build_sequences
     from treedraft.training.loop import load_rows
-    from treedraft.training.machine import describe
     from treedraft.training.target import load_target
 
     if a.threads:

@@ -44,13 +44,18 @@ def main(argv=None) -> dict:
 
     from treedraft.heads.ceiling import expected_tau, oracle_tree, tree_rows
     from treedraft.heads.lookup import LookupIndex, draft_hybrid
+    from treedraft.heads.machine import describe
     from treedraft.heads.reference import causal, plain_generate, prefill
     from treedraft.heads.sampling import SamplingParams
     from treedraft.heads.tree import parse_tree_spec
     from treedraft.training.data import first_turn, load_prompts
-    from treedraft.training.heads_zoo import load_head_for
-    from treedraft.training.machine import describe
-    from treedraft.training.target import HFTarget, encode_chat, load_target, target_signature
+    from treedraft.training.target import (
+        HFTarget,
+        encode_chat,
+        load_head_for,
+        load_target,
+        target_signature,
+    )
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="smollm2-135m")

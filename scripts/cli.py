@@ -58,7 +58,7 @@ def cmd_machine(args: argparse.Namespace) -> None:
     """This CPU's model, the ISA flags that matter (avx2, avx512_f, avx512_bf16, amx_bf16) and
     the dtypes treedraft picks from them: serving (vLLM's kernels) bfloat16 with AMX or
     AVX512-BF16, training (torch's GEMMs) bfloat16 with AMX only; float32 otherwise."""
-    from treedraft.training.machine import default_dtype, describe
+    from treedraft.heads.machine import default_dtype, describe
 
     print(default_dtype() if args.dtype else describe())
 
@@ -269,9 +269,8 @@ def cmd_export(args: argparse.Namespace) -> None:
 
     from treedraft.heads.medusa import VLLM_MEDUSA_FORMAT, save_vllm_medusa
     from treedraft.heads.speculators import save_speculators
-    from treedraft.training.heads_zoo import load_head_for
     from treedraft.training.models import resolve_model
-    from treedraft.training.target import load_target, target_signature
+    from treedraft.training.target import load_head_for, load_target, target_signature
 
     loaded = load_target(args.target)
     head = load_head_for(args.head, loaded.model,

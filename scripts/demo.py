@@ -28,11 +28,11 @@ def _vllm_answers(folder: str, prompts: list[list[dict]], max_new_tokens: int) -
 
 
 def run_demo(target: str, num_prompts: int = 4, max_new_tokens: int = 64) -> None:
+    from treedraft.heads.shipped import resolve_head
     from treedraft.training.data import first_turn, load_prompts
     from treedraft.training.evaluate import run_eval
-    from treedraft.training.heads_zoo import load_head_for, resolve_head
     from treedraft.training.models import resolve_model
-    from treedraft.training.target import load_target, target_signature
+    from treedraft.training.target import load_head_for, load_target, target_signature
 
     folder = resolve_model(target)
     print(f"target {target}: {folder}")

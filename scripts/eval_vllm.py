@@ -55,11 +55,11 @@ def evaluate_vllm(cfg: EvalConfig, *, batch_size: int = DEFAULT_BATCH, dtype: st
     from transformers import AutoTokenizer
 
     from treedraft.heads.common import load_head, read_config
+    from treedraft.heads.machine import describe, resolve_dtype
+    from treedraft.heads.shipped import resolve_head
     from treedraft.heads.speculators import default_tree, is_speculators
     from treedraft.heads.tree import parse_tree_spec
     from treedraft.training.data import first_turn, load_prompts
-    from treedraft.training.heads_zoo import resolve_head
-    from treedraft.training.machine import describe, resolve_dtype
     from treedraft.training.models import resolve_model
     from treedraft.training.target import encode_chat
 

@@ -267,7 +267,7 @@ def build(out: Path, config: str | None, overrides: list[str], part_mib: int = 6
                    "prompt_offset": 0, "out_dir": "{stage}/run" + suffix,
                    "data_dir": None if i == 1 else "{stage}/run/data"}  # the first run's replies
         if c.init_from:  # a head folder or a zoo name: ship the head (the code carries no weights)
-            from treedraft.training.heads_zoo import resolve_head
+            from treedraft.heads.shipped import resolve_head
 
             shutil.copytree(resolve_head(c.init_from), payload / f"init_from{suffix}")
             run_cfg["init_from"] = "{stage}/init_from" + suffix

@@ -113,11 +113,11 @@ def main(argv=None) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # every engine in this process
     from transformers import AutoTokenizer
 
+    from treedraft.heads.machine import describe, resolve_dtype
+    from treedraft.heads.shipped import resolve_head
     from treedraft.scripts.bench import speculative_config
     from treedraft.scripts.engine import engine_env
     from treedraft.training.data import first_turn, load_prompts
-    from treedraft.training.heads_zoo import resolve_head
-    from treedraft.training.machine import describe, resolve_dtype
     from treedraft.training.models import resolve_model
     from treedraft.training.target import encode_chat
 

@@ -27,7 +27,7 @@ def torch_threads():
 
 def pytest_report_header(config):
     """Every test log names the machine that judged it (AMX and AVX2-only CPUs differ)."""
-    from treedraft.training.machine import describe
+    from treedraft.heads.machine import describe
 
     return f"treedraft machine: {describe()}"
 

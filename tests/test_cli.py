@@ -415,7 +415,7 @@ def test_bench_reports_the_other_configs_when_one_engine_fails(tmp_path, monkeyp
 
 
 def test_machine_command_prints_flags_and_dtype():
-    from treedraft.training.machine import default_dtype
+    from treedraft.heads.machine import default_dtype
 
     r = run("machine")
     assert r.returncode == 0 and "avx2" in r.stdout and "amx_bf16" in r.stdout, r.stderr

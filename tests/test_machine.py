@@ -6,8 +6,8 @@ not probed), and the probe itself reads this machine."""
 
 import pytest
 
+from treedraft.heads.machine import CpuInfo, cpu_info, default_dtype, describe, resolve_dtype
 from treedraft.training.config import TrainConfig
-from treedraft.training.machine import CpuInfo, cpu_info, default_dtype, describe, resolve_dtype
 
 AMX = CpuInfo("Intel Xeon (test)", frozenset({"avx2", "avx512_f", "avx512_bf16", "amx_bf16"}))
 AVX512_BF16 = CpuInfo("AMD EPYC Genoa (test)", frozenset({"avx2", "avx512_f", "avx512_bf16"}))
@@ -25,7 +25,7 @@ def test_auto_dtype_follows_the_cpu_and_the_workload(info, serve, train):
 
 
 def test_training_config_resolves_auto_for_training(monkeypatch):
-    from treedraft.training import machine
+    from treedraft.heads import machine
 
     monkeypatch.setattr(machine, "cpu_info", lambda: AVX512_BF16)
     cfg = TrainConfig(dtype="auto")

@@ -105,7 +105,7 @@ def test_shipped_heads_load_and_draft_better_than_chance(name, cls_name, torch_t
 
     import treedraft.heads as heads
     from treedraft.heads import eagle, medusa  # noqa: F401  (registers the classes)
-    from treedraft.training.heads_zoo import resolve_head
+    from treedraft.heads.shipped import resolve_head
     from treedraft.training.target import load_target, target_signature
 
     path = resolve_head(name)

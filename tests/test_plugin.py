@@ -149,9 +149,9 @@ def test_head_linears_run_on_vllms_cpu_gemm(fast_bf16):
 
     from treedraft.heads.common import TargetSignature
     from treedraft.heads.eagle import EagleConfig, EagleHead
+    from treedraft.heads.machine import CpuInfo
     from treedraft.heads.tree import draft_tree, parse_tree_spec
     from treedraft.plugin.cpu_gemm import use_vllm_gemm
-    from treedraft.training.machine import CpuInfo
 
     flags = {"avx2", "avx512_f", "amx_bf16"} if fast_bf16 else {"avx2"}
     machine = CpuInfo("test CPU", frozenset(flags))
@@ -394,7 +394,7 @@ def _engine_config(spec: dict, model: str = "smollm2-135m", hf_overrides: dict |
 
 
 def test_treedraft_head_becomes_a_custom_class_proposer():
-    from treedraft.training.heads_zoo import resolve_head
+    from treedraft.heads.shipped import resolve_head
 
     cfg = _engine_config({"model": "smollm2-135m-eagle", "tree": "dynamic:24,5,4"})
     assert cfg.speculative_config.method == "custom_class"
@@ -410,9 +410,9 @@ def test_treedraft_head_becomes_a_custom_class_proposer():
 
 def test_auto_tree_names_the_most_it_may_draft():
     from treedraft.heads.common import read_config
+    from treedraft.heads.shipped import resolve_head
     from treedraft.heads.tree import parse_tree_spec
     from treedraft.plugin.config import AUTO_LOOKUP
-    from treedraft.training.heads_zoo import resolve_head
 
     default = parse_tree_spec(read_config(resolve_head("smollm2-135m-eagle"))["default_tree"])
     default = default.to_string()
@@ -484,7 +484,7 @@ def test_node_budget_and_method_conflicts_are_refused():
 
 
 def test_head_of_another_target_is_refused_naming_both_sides(tmp_path):
-    from treedraft.training.heads_zoo import resolve_head
+    from treedraft.heads.shipped import resolve_head
 
     head = tmp_path / "head"
     shutil.copytree(resolve_head("smollm2-135m-eagle"), head)
@@ -585,9 +585,9 @@ def test_auto_sampled_chains_stay_within_what_the_head_drafts():
     than the step's budget, the head's tree, or a Medusa head's heads (one per depth: deeper,
     its session raises and the engine died)."""
     from treedraft.heads.common import load_head
+    from treedraft.heads.shipped import resolve_head
     from treedraft.heads.tree import MAX_TREE_DEPTH, parse_tree_spec
     from treedraft.plugin.proposer import auto_chain_depth
-    from treedraft.training.heads_zoo import resolve_head
 
     medusa = load_head(resolve_head("smollm2-135m-medusa"))
     eagle = load_head(resolve_head("smollm2-135m-eagle"))

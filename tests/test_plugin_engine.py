@@ -178,8 +178,7 @@ class Runs(dict):
 def eagle3_export(tmp_path_factory, target) -> str:
     """The shipped EAGLE-3-layout head written in the speculators format (treedraft export)."""
     from treedraft.heads.speculators import save_speculators
-    from treedraft.training.heads_zoo import load_head_for
-    from treedraft.training.target import load_target, target_signature
+    from treedraft.training.target import load_head_for, load_target, target_signature
 
     loaded = load_target(target)
     head = load_head_for(EAGLE3, loaded.model, target_signature(loaded.model, loaded.tokenizer))
@@ -191,8 +190,7 @@ def eagle3_export(tmp_path_factory, target) -> str:
 def medusa_export(tmp_path_factory, target) -> str:
     """The shipped Medusa head written in vLLM's own Medusa format (treedraft export)."""
     from treedraft.heads.medusa import save_vllm_medusa
-    from treedraft.training.heads_zoo import load_head_for
-    from treedraft.training.target import load_target, target_signature
+    from treedraft.training.target import load_head_for, load_target, target_signature
 
     loaded = load_target(target)
     head = load_head_for(MEDUSA, loaded.model, target_signature(loaded.model, loaded.tokenizer))
@@ -486,8 +484,7 @@ def test_acceptance_per_depth_matches_offline_evaluator(runs, name, tree, head_n
                                                         torch_threads):
     from treedraft.training.data import load_prompts
     from treedraft.training.evaluate import run_eval
-    from treedraft.training.heads_zoo import load_head_for
-    from treedraft.training.target import load_target, target_signature
+    from treedraft.training.target import load_head_for, load_target, target_signature
 
     rows = load_prompts("mtbench", limit=PARITY)
     key = (head_name, tree)  # chain and stock_eagle3 share the same reference run

@@ -697,8 +697,8 @@ def test_vllm_generation_engine_runs_in_the_runs_serving_dtype(dtype):
     the head is served and evaluated with)."""
     from types import SimpleNamespace
 
+    from treedraft.heads.machine import resolve_dtype
     from treedraft.plugin.generate import llm_kwargs
-    from treedraft.training.machine import resolve_dtype
 
     cfg = TrainConfig(dtype=dtype, max_seq_len=100, gen_max_new_tokens=28)
     kwargs = llm_kwargs(SimpleNamespace(path="/some/target"), cfg)

@@ -27,7 +27,7 @@ from typing import Any
 HEAD_TYPES = ("eagle", "medusa")
 GEN_ENGINES = ("transformers", "vllm")
 DTYPES = ("float32", "bfloat16")
-COMPUTE_DTYPES = ("auto", *DTYPES)  # auto: from the machine (training/machine.py)
+COMPUTE_DTYPES = ("auto", *DTYPES)  # auto: from the machine (heads/machine.py)
 LONG_PROMPTS = ("error", "skip")
 SCHEDULES = ("cosine", "wsd")
 OOV_ROWS = ("keep", "mask")
@@ -189,7 +189,7 @@ class TrainConfig:
     def compute_dtype(self, device: Any = "cpu", workload: str = "train") -> str:
         """`dtype` with 'auto' resolved for this machine ('bfloat16' or 'float32'): training's
         torch GEMMs by default, `workload='serve'` for a vLLM engine (generation)."""
-        from .machine import resolve_dtype
+        from treedraft.heads.machine import resolve_dtype
 
         return resolve_dtype(self.dtype, device, workload=workload)
 

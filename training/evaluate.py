@@ -185,8 +185,7 @@ def run_eval(
 def evaluate(cfg: EvalConfig, *, progress: bool = True) -> dict:
     """``treedraft eval``: load target, head and prompts named in ``cfg``; run ``run_eval``."""
     from .data import load_prompts
-    from .heads_zoo import load_head_for
-    from .target import load_target, target_signature
+    from .target import load_head_for, load_target, target_signature
 
     if cfg.tree is not None:
         parse_tree_spec(cfg.tree)  # bad specs fail before anything is loaded

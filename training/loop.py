@@ -216,7 +216,8 @@ def train(cfg: TrainConfig, resume: str | os.PathLike | None = None) -> Path | N
     """Train a head as configured; returns out_dir/final (None on DDP ranks > 0)."""
     from tqdm.auto import tqdm
 
-    from .machine import describe
+    from treedraft.heads.machine import describe
+
     from .target import init_head, load_target
 
     cfg.validate()
@@ -358,8 +359,7 @@ def cuda_memory(device: torch.device) -> dict:
 def init_weights(head, name_or_path: str) -> None:
     """Copy the weights (draft vocabulary included) of a saved head into `head`."""
     from treedraft.heads import load_head
-
-    from .heads_zoo import resolve_head
+    from treedraft.heads.shipped import resolve_head
 
     src = load_head(resolve_head(name_or_path), target=head.target_signature)
     mine, theirs = head.config.to_dict(), src.config.to_dict()

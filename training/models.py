@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from treedraft.heads.shipped import cache_dir
+
 from .embedded import QWEN_CODER_PARTS, SMOLLM2_GGUF, PackagedFile
 
 
@@ -66,10 +68,6 @@ DEFAULT_TARGET = "smollm2-135m"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _MARKER = "treedraft_materialized.json"
 _FORMAT_VERSION = 1  # bump to re-materialize every cached model
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("TREEDRAFT_CACHE", Path.home() / ".cache" / "treedraft"))
 
 
 def resolve_model(name_or_path: str | os.PathLike) -> str:

@@ -10,11 +10,13 @@ plugin does on the paged cache.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
-from treedraft.heads.common import TargetSignature, tokenizer_fingerprint
+from treedraft.heads.common import DraftHead, TargetSignature, load_head, tokenizer_fingerprint
+from treedraft.heads.shipped import resolve_head
 
 
 @dataclass
@@ -150,3 +152,13 @@ def bind_head(head, model: torch.nn.Module):
     """Give ``head`` the target's (frozen) input embeddings and LM head."""
     head.bind_target(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
     return head
+
+
+def load_head_for(name_or_path: str | os.PathLike, model: torch.nn.Module,
+                  signature: TargetSignature) -> DraftHead:
+    """Load a head (folder or shipped name), refuse it if it was trained for another target,
+    bind it to ``model``."""
+    head = load_head(resolve_head(name_or_path), target=signature)
+    # shipped heads are stored in bf16 to stay small; compute in the target's dtype
+    head = head.to(next(model.parameters()).dtype)
+    return bind_head(head, model).eval()

@@ -14,7 +14,7 @@ GEMM cannot be built there, so vLLM falls back to torch). So the dtype depends o
 Every default that depends on it is chosen here, from the machine, and every number we print
 says which machine it came from (`describe()`).
 
-    python -m treedraft.training.machine     # CPU model, flags, the dtype treedraft picks
+    python -m treedraft.heads.machine        # CPU model, flags, the dtype treedraft picks
 
 Pure torch: `torch.cpu.get_capabilities()` (cpuinfo) reads the flags on every OS; the
 decisions take a `CpuInfo` so both branches are testable on either kind of machine.

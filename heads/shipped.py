@@ -1,23 +1,23 @@
-"""Find, load, check and bind draft heads.
+"""Where a head argument points: a head shipped with treedraft, or a checkpoint folder.
 
 A head argument is a checkpoint folder (config.json + model.safetensors, written by
 ``save_pretrained``) or the short name of a head shipped with treedraft (``SHIPPED_HEADS``;
-their files live in the ``treedraft.heads`` package under ``zoo/``).
+their files live next to this module under ``zoo/``). Used by training/ (``init_from``,
+evaluation) and by the vLLM plugin (``--speculative-config '{"model": NAME}'``).
+
+``cache_dir()`` is treedraft's cache folder (``$TREEDRAFT_CACHE``, default
+``~/.cache/treedraft``): models materialized from embedded GGUF files, heads imported from
+other formats.
+
+Pure python: no torch, vllm or transformers here.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-import torch
-
-from treedraft.heads.common import DraftHead, TargetSignature, load_head
-
-ZOO = Path(__file__).resolve().parent.parent / "heads" / "zoo"
-if not ZOO.is_dir():  # installed as a wheel: the zoo sits inside treedraft/heads
-    import treedraft.heads
-
-    ZOO = Path(treedraft.heads.__file__).resolve().parent / "zoo"
+ZOO = Path(__file__).resolve().parent / "zoo"
 
 # short name -> (target it was trained for, folder under ZOO)
 SHIPPED_HEADS: dict[str, tuple[str, str]] = {
@@ -28,7 +28,8 @@ SHIPPED_HEADS: dict[str, tuple[str, str]] = {
 }
 
 
-def resolve_head(name_or_path: str | Path) -> Path:
+def resolve_head(name_or_path: str | os.PathLike) -> Path:
+    """The folder of a shipped head's short name, or `name_or_path` if it is a folder."""
     arg = str(name_or_path)
     if arg in SHIPPED_HEADS:
         path = ZOO / SHIPPED_HEADS[arg][1]
@@ -47,13 +48,5 @@ def resolve_head(name_or_path: str | Path) -> Path:
     )
 
 
-def load_head_for(
-    name_or_path: str | Path, model: torch.nn.Module, signature: TargetSignature
-) -> DraftHead:
-    """Load a head, refuse it if it was trained for another target, bind it to ``model``."""
-    from .target import bind_head
-
-    head = load_head(resolve_head(name_or_path), target=signature)
-    # shipped heads are stored in bf16 to stay small; compute in the target's dtype
-    head = head.to(next(model.parameters()).dtype)
-    return bind_head(head, model).eval()
+def cache_dir() -> Path:
+    return Path(os.environ.get("TREEDRAFT_CACHE", Path.home() / ".cache" / "treedraft"))
