@@ -8,17 +8,16 @@ assumed: `StepCostModel` fits, online, from the engine's own steps
     seconds(step) ~ a + b * decode_rows + p * prefill_rows + c * verified_drafts + d * drafted
                       + v * verifying_requests
 
-(least squares, coefficients kept >= 0): a plain decode row, a row of a prefill chunk (cheaper
-per row on a CPU: one large GEMM), a drafted token verified this step (its row), a node drafted
-this step (the head's forwards) and a request whose drafts this step verifies (its tree's
-attention, verification and KV compaction, per request: at batch 4 on the AVX2 CPU a request's
-tree cost ~5.8 ms and each of its rows ~0.7 ms; priced per row alone, ~2.2 ms, a one-node draft
-looked three times cheaper than it was, session 21) each have their own price. Where the engine
-times its drafting phase itself (`drafting_seconds`), that time leaves the step's and is fitted
-on its own, per drafting request and per drafted node: fitted from whole steps, drafting and
-verifying share one column in practice (a step verifies what the step before drafted), and at
-batch 1 their fitted sum moved between 3.6 and 28 ms per node across refits on a drifting
-2-core CPU (session 16).
+(least squares, coefficients kept >= 0): a plain decode row, a row of a prefill chunk (cheaper per
+row on a CPU: one large GEMM), a drafted token verified this step (its row), a node drafted this
+step (the head's forwards) and a request whose drafts this step verifies (its tree's attention,
+verification and KV compaction, per request: at batch 4 a request's tree costs ~5.8 ms and each of
+its rows ~0.7 ms; priced per row alone, ~2.2 ms, a one-node draft looks three times cheaper than it
+is; `treedraft bench`, 2-core AVX2 AMD EPYC) each have their own price. Where the engine times its
+drafting phase itself (`drafting_seconds`), that time leaves the step's and is fitted on its own,
+per drafting request and per drafted node: fitted from whole steps, drafting and verifying share
+one column in practice (a step verifies what the step before drafted), and at batch 1 their fitted
+sum moves between 3.6 and 28 ms per node across refits on a drifting 2-core CPU.
 
 `best_budget` picks the node budget n per request that maximises expected
 tokens per second for the current batch of B drafting requests:
@@ -32,14 +31,15 @@ above the table where a second adds little). n = 0 drafts nothing: a step then c
 costs without speculation. A better head raises E(n) and the same model then chooses larger
 trees: nothing to retune.
 
-Prompt-lookup nodes (`+lookup:L` in the spec) cost no head forward, only their verified rows,
-and earn what the request's own history predicts: much where the model repeats itself (SmolLM2
-on MT-bench at 256 tokens, batch 1, T=0: `chain:1+lookup:4` 1.39x no-spec where one head node
-gave 1.07x, session 17), nothing on fresh text. What they earn changes within a reply, so the
-choice is per request and step: `LookupValue` keeps, per match length of the request's best
-lookup proposal (1..4 tokens of its history's suffix seen before), what grafting earned (extra
-tokens on lookup-only nodes) and cost (lookup-only nodes verified), and `BudgetPolicy.graft`
-grafts a request's lookup nodes when their extra tokens per second beat the step's own:
+Prompt-lookup nodes (`+lookup:L` in the spec) cost no head forward, only their verified rows, and
+earn what the request's own history predicts: much where the model repeats itself (SmolLM2 on
+MT-bench at 256 tokens, batch 1, T=0: `chain:1+lookup:4` 1.39x no-spec where one head node gives
+1.07x; `treedraft bench`, 2-core AVX2 AMD EPYC), nothing on fresh text. What they earn changes
+within a reply, so the choice is per request and step: `LookupValue` keeps, per match length of the
+request's best lookup proposal (1..4 tokens of its history's suffix seen before), what grafting
+earned (extra tokens on lookup-only nodes) and cost (lookup-only nodes verified), and
+`BudgetPolicy.graft` grafts a request's lookup nodes when their extra tokens per second beat the
+step's own:
 
     g_k / (l_k * c + v') > LOOKUP_TAKE * tokens(step) / seconds(step)
 
@@ -51,7 +51,7 @@ and an estimate that is never refreshed stays wrong.
 
 What a head and a lookup earn depends on the request's temperature: a greedy request accepts a
 draft when it is the target's argmax, a sampled one with the target's probability of it (at
-T=1 the head accepted x0.55-0.62 of what it did at T=0, session 18). Both estimates are kept
+T=1 the head accepts x0.55-0.62 of what it does at T=0). Both estimates are kept
 per temperature class (`GREEDY`, `SAMPLED`), so that a server with both kinds of requests, or
 a benchmark that runs T=0 and then T=1 in one engine, does not price one class's drafts with
 the other's acceptance; a step mixing them expects the mix of its requests.
@@ -123,21 +123,21 @@ class StepCostModel:
     Steps that verify or draft are kept in their own window, so that a long run of plain steps
     (auto choosing 0) never pushes out what the model knows about drafting. A plain step refits
     the model only every `refit_every` steps (a fit is ~0.7 ms of the step it serves in the
-    engine, 2-3 % of a small CPU step; every 8 steps it was still ~0.1 ms of each plain step at
-    batch 16, session 33), a step that drafted every `DRAFT_REFIT_EVERY` steps; at once where
+    engine, 2-3 % of a small CPU step; every 8 steps it would still be ~0.1 ms of each plain
+    step at batch 16), a step that drafted every `DRAFT_REFIT_EVERY` steps; at once where
     the step is news: a drafting step while few were seen or one that verified more rows than
     any before, a plain step far faster than the model's (`STALE_AFTER`)."""
 
     # a plain step after at least STALE_AFTER steps without one that runs STALE_RATIO times
     # faster than the plain steps kept predict replaces them: they were measured on a slower
-    # machine (a start-up stall, a neighbour that has left). Kept, they priced every row of a
-    # faster present at ~0 (175 ms a step + 0 ms a verified row at batch 1: auto drafted 24-32
-    # nodes where one pays, session 20); slower plain steps than predicted are not evidence of
+    # machine (a start-up stall, a neighbour that has left). Kept, they price every row of a
+    # faster present at ~0 (175 ms a step + 0 ms a verified row at batch 1, and auto drafts
+    # 24-32 nodes where one pays); slower plain steps than predicted are not evidence of
     # that (the 4x rule in `add` drops stalls, a plain step beside drafting ones is noisy)
     STALE_AFTER, STALE_RATIO = 32, 1.5
     # a step that drafted refits the model at once while it is news (few drafting steps seen,
     # more rows verified than ever), else after this many steps: at batch 1 every step drafts,
-    # and a refit at each was ~0.7 ms of a ~30 ms step (session 33)
+    # and a refit at each is ~0.7 ms of a ~30 ms step
     DRAFT_REFIT_EVERY = 8
 
     def __init__(self, window: int = 256, min_samples: int = 12, refit_every: int = 32) -> None:
@@ -365,15 +365,15 @@ def best_budget(model: StepCostModel, batch: int, lengths: dict[int, float],
     (the budget chosen so far) stays unless another is expected to beat it by more than
     `hysteresis` (x100 %): near-equal budgets do not take turns on measurement noise.
     `trust`: only budgets whose step verifies at most max(batch, TRUST_ROWS, trust x the most
-    rows a measured step verified) rows are considered, so a fit is never extrapolated far (one
-    request's one-node exploration priced a row at ~0 against noisy start-up steps and auto
-    drafted 60 nodes for each of 16 requests, ~1,000 rows in one step, session 31); the budgets
-    beyond are reached as explorations and choices measure more rows.
+    rows a measured step verified) rows are considered, so a fit is never extrapolated far (a
+    one-request, one-node exploration against noisy start-up steps can price a row at ~0, and
+    the fit alone would then draft 60 nodes for each of 16 requests, ~1,000 rows in one step);
+    the budgets beyond are reached as explorations and choices measure more rows.
     `measured`: budget -> seconds of a step at this batch measured where every request drafted
     that budget (`BudgetPolicy.measured`); they replace the fit's prediction there (a linear
     price per row and per drafted node misses what a tree's shape costs: at batch 1 on a 2-core
-    CPU two more head nodes cost ~5 ms, and `auto` drafted 4 nodes where 2 paid ~9 % more,
-    session 31)."""
+    CPU two more head nodes cost ~5 ms, and priced by the fit 4 nodes looked best where 2 pay
+    ~9 % more)."""
     if model.fit() is None or batch <= 0 or not model.knows_drafting:
         return 0
     measured = measured or {}
@@ -439,9 +439,9 @@ class HeadBesideLookup:
     compared on the steps that drafted n or more only, the same steps for every budget:
     budgets measured at different places of a reply are never compared (lookup grafts where
     the reply repeats itself, and there a head node beyond the first adds little: at batch 1,
-    T=0 `auto` drafted 3 head nodes beside lookup where `chain:1+lookup:4` was 7 % faster,
-    session 33; pooled per budget instead, a 4th node measured on other steps looked worth
-    +1.1 tokens, session 34). Decayed sums per budget drafted, each decayed when that budget
+    T=0 `chain:1+lookup:4` is 7 % faster than 3 head nodes beside lookup, while pooled per
+    budget a 4th node, measured on other steps, looks worth +1.1 tokens). Decayed sums per
+    budget drafted, each decayed when that budget
     is drafted again."""
 
     # (decayed) grafted requests' steps that drafted n or more before budgets up to n compare
@@ -484,16 +484,17 @@ class OutcomeGuard:
 
     The policy prices budgets and grafts from fitted and measured step costs and observed
     acceptance; each piece is an estimate, and where drafting earns about what it costs their
-    errors decide. At batch 16, T=0 on the 2-core AMD EPYC `auto` ran 0.96-0.98x no-spec with
-    every estimate saying its grafts and one-node steps paid (session 34). So steps run in
+    errors decide (at batch 16, T=0 on the 2-core AMD EPYC, with every estimate saying its
+    grafts and one-node steps pay, `auto` without this guard runs 0.96-0.98x no-spec;
+    `treedraft bench`). So steps run in
     windows of WINDOW steps per (batch size, mostly sampled) key, each window either `auto`'s
     own (ON: the policy chooses) or plain (OFF: nothing drafted, no lookup). The arm that leads
     runs; the other is probed for one window now and then, and each probe is compared with the
     leader's windows right before and after it (realized tokens per second: its steps' tokens
     over their seconds): step times drift within a run (contexts grow; in a benchmark whose
     replies all have one length, 3x over a wave of requests), and arms compared over their own
-    recent windows, measured at different times, read 1.06-1.17x apart where both drafted
-    nothing (session 35). The ON / OFF ratios of the comparisons are averaged in log space,
+    recent windows, measured at different times, read 1.06-1.17x apart where both draft
+    nothing. The ON / OFF ratios of the comparisons are averaged in log space,
     older ones fading by DECAY, and decide the lead: ON where they average above LEAD. The
     probe interval (windows of the leader between probes) starts at PROBE_MIN, doubles up to
     PROBE_CLOSE while comparisons confirm the leader, returns to PROBE_MIN when the lead
@@ -512,9 +513,9 @@ class OutcomeGuard:
     DECAY = 0.7
     # `auto` leads only where its windows realized this much over the plain ones beside them: a
     # tie goes to plain ("never slower"). At batch 16, T=0 on the AMD EPYC, where nothing pays,
-    # the comparisons drifted between 0.97x and 1.03x, and on a 1.03x reading `auto` ran 78
-    # lookup steps at 71 ms against 43 for plain ones (0.943x no-spec, session 37); where
-    # drafting pays on this machine it realized 1.3-2.3x (batch 1 and 4, T=0)
+    # the comparisons drift between 0.97x and 1.03x, and a lead taken on a 1.03x reading ran
+    # lookup steps at 71 ms against 43 for plain ones (0.943x no-spec); where drafting pays on
+    # this machine it realizes 1.3-2.3x (batch 1 and 4, T=0; `treedraft bench`)
     LEAD = 1.04
 
     def __init__(self) -> None:
@@ -608,8 +609,9 @@ class Acceptance:
 
     One factor for the whole table assumes every depth and rank gains alike; they do not. On
     text the model repeats, the first node accepts far above the table while a second one
-    adds little (SmolLM2, MT-bench x 256, batch 1: x1.7 at one node, and drafting two cost
-    9 % of the tokens/s of one, session 20). So what each budget earned is kept too
+    adds little (SmolLM2, MT-bench x 256, batch 1: x1.7 at one node, and drafting two costs
+    9 % of the tokens/s of one; `treedraft bench`, 2-core AVX2 AMD EPYC). So what each budget
+    earned is kept too
     (`add(..., budget=n)`), and `at(n)` is that budget's own factor shrunk towards the factor
     of the budget below it (the smallest towards `kappa`) with `BUDGET_PRIOR` expected tokens
     of weight: a budget never drafted expects what the one below it measured, not the table's
@@ -670,10 +672,9 @@ class ChainRates:
     conditional rate times the class's factor `kappa`). E(n) = 1 + sum over d <= n of the
     product of the rates up to d: every chain teaches each depth it reached, and what one more
     node adds is a product of rates, not a difference of two noisy means. Read per budget
-    (`Acceptance.at`), the budgets' means at T=1 moved by ~0.1 tokens each over ~50 steps
-    where a third node adds ~0.03, and `auto` drafted 3-4 nodes on a third of its steps or one
-    node on most, where two paid most (batch 1, the stage-16 head, session 38: two nodes 0.71
-    tokens, four 0.74)."""
+    (`Acceptance.at`), the budgets' means at T=1 move by ~0.1 tokens each over ~50 steps
+    where a third node adds ~0.03, enough to pick 3-4 nodes or one where two pay most (batch
+    1, the shipped smollm2-135m-eagle head: two nodes 0.71 tokens, four 0.74)."""
 
     PRIOR = 2.0
 
@@ -737,23 +738,22 @@ class BudgetPolicy:
     EXPLORE_MIN, EXPLORE_MAX = 4, 256  # steps between explorations: doubles while choice holds
     # requests an exploration up from drafting nothing drafts for (the engine picks those with
     # the fewest pairs to catch up): at batch 32 all of them made ~1,000 pairs of catch-up
-    # commits in one step; 4 at batch 4, T=1 (where no budget pays on the AVX2 CPU) spent ~40 ms
-    # of catch-up per exploration, 14-22 explorations in 485 steps (session 18). One measures as
+    # commits in one step; 4 at batch 4, T=1 (where no budget pays on the AVX2 CPU) spend ~40 ms
+    # of catch-up per exploration, 14-22 explorations in 485 steps. One measures as
     # well: the head's acceptance is checked teacher-forced on its catch-up, and what a drafting
     # request and a verified row cost is fitted from every step that drafts
     EXPLORE_REQUESTS = 1
-    # (session 38 tried every request at batch <= 4, so that the step where all draft is
-    # measured whole: at batch 4, T=1 on the AMD EPYC explorations took 43-47 ms against ~36,
-    # `auto` still drafted nothing, rightly, in three runs (one node for every request ran
-    # 0.976-1.045x no-spec), and ran ~1 % slower: reverted)
+    # (every request exploring at batch <= 4 measures the all-drafting step whole, but at batch
+    # 4, T=1 on the AMD EPYC its explorations take 43-47 ms against ~36 and `auto` runs ~1 %
+    # slower for the same choice)
     # drafting must promise this much over drafting nothing ("never slower" is the contract);
-    # 0.10 kept the one pass at batch 1 on an AVX2 CPU (one node: +7 % predicted, +10 %
-    # measured, session 12) out of reach, so 0.05 with exploration to correct the rest
+    # 0.10 keeps the one pass at batch 1 on an AVX2 CPU (one node: +7 % predicted, +10 %
+    # measured) out of reach, so 0.05 with exploration to correct the rest
     MARGIN = 0.05
     # another budget must promise this much over the current choice to replace it: at batch 1
-    # on the AVX2 CPU budgets 1, 2 and 3 came within 2 % of each other, the choice changed
-    # every few steps and each change restarted frequent exploration (70 explorations in 181
-    # steps, session 15)
+    # on the AVX2 CPU budgets 1, 2 and 3 come within 2 % of each other; without it the choice
+    # changes every few steps and each change restarts frequent exploration (70 explorations
+    # in 181 steps)
     HYSTERESIS = 0.03
     # a choice verifies at most max(batch, TRUST_ROWS, TRUST x the most rows one measured step
     # verified): the cost fit is not extrapolated far beyond what was measured (`best_budget`)
@@ -762,19 +762,18 @@ class BudgetPolicy:
     # earns LOOKUP_KEEP x (an estimate from a few dozen noisy grafts dips below where it was
     # taken). Both above 1: a graft is kept on the estimate of what it earned, and the match
     # lengths kept are those whose noisy estimates came out high (at batch 16, T=0, taken at
-    # x1.05 and kept down to x0.85, grafts made `auto` 0.967x no-spec where it was 0.988x
-    # without lookup, in a queue of 48 MT-bench first turns, session 30)
+    # x1.05 and kept down to x0.85, grafts make `auto` 0.967x no-spec against 0.988x without
+    # lookup; `treedraft bench --continuous`, 48 MT-bench first turns)
     LOOKUP_TAKE, LOOKUP_KEEP = 1.25, 1.05
     # a budget's step cost measured at a batch size (`measured_step`) replaces the fit's price
     # there once MEASURED_MIN steps were measured; each measurement fades by MEASURED_DECAY per
-    # later one of the same (batch, budget) (step times drift slowly: ~20 steps of memory; 10
-    # until session 38)
+    # later one of the same (batch, budget) (step times drift slowly: ~20 steps of memory)
     MEASURED_MIN, MEASURED_DECAY = 4, 0.95
     # once MEASURED_MIN steps were measured, a measurement enters a mean no further than this
     # (x100 %) from it: at batch 1, T=1 on the AMD EPYC, steps at 2 head nodes measured 29.5 ms
     # at the median but up to 43 now and then, and their mean (10 steps) moved between 28.3 and
     # 35.8 ms over a run, more than the 0.3 ms a second node costs there; a budget left behind
-    # keeps such a mean until explored again (session 38). Clipped and over 20 steps: 28.6-32.2
+    # keeps such a mean until explored again. Clipped and over 20 steps: 28.6-32.2
     MEASURED_CLIP = 0.15
     # a measurement not refreshed for this many steps is dropped (the machine drifts, contexts
     # grow; a budget measured dear in a noisy spell would otherwise be priced so for good)
@@ -789,9 +788,9 @@ class BudgetPolicy:
     # a step of mostly sampled requests that drafts nothing explores every EXPLORE_MIN steps
     # until their chains were tried this many times at depth 1 (`ChainRates`, decayed): at
     # batch 1, T=1 a run's first ~13-30 draws read x0.37-0.45 of the table where steady
-    # drafting reads ~x0.7, `auto` chose nothing, its explorations backed off to one in 256
-    # steps, and it drafted nothing for 812 steps (for a whole run before held steps explored;
-    # session 38). Sampled requests have no teacher-forced check to learn from meanwhile
+    # drafting reads ~x0.7; without this, `auto` chooses nothing, its explorations back off to
+    # one in 256 steps, and it drafts nothing for hundreds of steps. Sampled requests have no
+    # teacher-forced check to learn from meanwhile
     CHAIN_EVIDENCE = 30
 
     def __init__(self, lengths: dict[int, float], lookup: bool = False) -> None:
@@ -910,8 +909,8 @@ class BudgetPolicy:
         (`budget_rates`; None before the model knows verifying)), computed again only when
         something they read changed: the model's fit (`StepCostModel.version`), `lengths` (by
         more than 0.01 tokens), the measured step costs at this batch (by more than ~1 %), the
-        current choice. Pricing every budget was ~0.1-0.5 ms of each step in the engine (batch
-        16, 2-core CPU, session 33), a cost paid where `auto` drafts nothing and is meant to
+        current choice. Pricing every budget is ~0.1-0.5 ms of each step in the engine (batch
+        16, 2-core CPU), a cost paid where `auto` drafts nothing and is meant to
         cost nothing; the choice moves on changes of a few % (`HYSTERESIS`).
 
         Budgets are priced as measured (`priced`), and a choice climbs the budgets one at a
@@ -919,10 +918,10 @@ class BudgetPolicy:
         times at this batch lately or priced there (1 where none is) and beyond the current
         choice, the choice is the larger of those two: a step towards what pays, measured on the
         way (the rung itself need not pay: where one node does not but four would, waiting for
-        one to pay left `auto` at 0 for good). The fit, from lookup grafts and one-request
-        explorations, priced 4 head nodes for each of 16 requests as paying where one cost 1.7x
-        a plain step, and `auto` drafted them (batch 16, T=0, AMD EPYC, session 33); climbing,
-        the step at one node is measured first."""
+        one to pay leaves `auto` at 0 for good). The fit, from lookup grafts and one-request
+        explorations, can price 4 head nodes for each of 16 requests as paying where one costs
+        1.7x a plain step (batch 16, T=0, AMD EPYC); climbing, the step at one node is measured
+        first."""
         measured = self.priced(batch)
         steps = self.model.steps
         top = max([n for (b, n), (count, last) in self._used.items()
@@ -951,8 +950,8 @@ class BudgetPolicy:
         `lookup_rows`: lookup-only rows it verified beside the head's, which file the step under
         its own key (`beside_cost`). Priced out at the fit's price of a verified row instead
         (0.7-1.4 ms at batch 1 on the AMD EPYC, where one costs the forward almost nothing),
-        the steps of the budget drafted beside lookup most (one node) came out 4-6 ms cheaper
-        than those of the next, and `auto` drafted one node where two paid (session 36)."""
+        the steps of the budget drafted beside lookup most (one node) come out 4-6 ms cheaper
+        than those of the next, and one node is chosen where two pay."""
         if budget < 0 or batch < 1 or seconds <= 0:
             return
         if lookup_rows > 0:
@@ -1023,9 +1022,9 @@ class BudgetPolicy:
         """(seconds a step pays once for verifying any lookup-only graft, seconds per graft), a
         least-squares line through the steps measured at `batch` (else at the nearest batch size
         within NEAR x that has MEASURED_MIN of them, not stale), or None. Per graft alone the
-        price hid the step's own: at batch 16, T=0 a step verifying one graft cost ~10 ms more
-        than a plain one where the average over steps of 1-10 grafts priced a graft at ~6 ms,
-        and `auto` ran 0.956x no-spec on 562 grafting steps (session 34)."""
+        price hides the step's own: at batch 16, T=0 a step verifying one graft costs ~10 ms
+        more than a plain one where the average over steps of 1-10 grafts prices a graft at
+        ~6 ms, and `auto` priced so runs 0.956x no-spec."""
         steps = self.model.steps
         for b in sorted((b for b in self._grafts if batch / self.NEAR <= b <= batch * self.NEAR),
                         key=lambda b: (abs(b - batch), b)):
@@ -1048,8 +1047,8 @@ class BudgetPolicy:
     def graft_seconds(self, batch: int) -> float | None:
         """What one more lookup-only graft was measured to add to a step at `batch` requests
         (`graft_cost`), or None. A graft is priced at no less: at batch 16-32 on a 2-core CPU
-        the fit priced one at ~3-5 ms where grafting steps took ~13-30 ms more than plain ones,
-        and 100-270 such steps made `auto` 0.95x no-spec (session 32)."""
+        the fit prices one at ~3-5 ms where grafting steps take ~13-30 ms more than plain ones,
+        and `auto` priced by the fit runs 0.95x no-spec."""
         cost = self.graft_cost(batch)
         return None if cost is None else cost[1]
 
@@ -1082,13 +1081,13 @@ class BudgetPolicy:
         """budget -> seconds of a step at `batch` decoding requests: `measured(batch)`, or where
         nothing was measured at this batch, what was measured at the nearest batch size within
         NEAR x, scaled by the plain steps' ratio between the two (measured, else the fit's). A
-        batch shrinking as requests finish (16, 15, 14, ...) otherwise met every size with the
-        fit's price alone, and tried the head at each again (session 33).
+        batch shrinking as requests finish (16, 15, 14, ...) would otherwise meet every size
+        with the fit's price alone, and try the head at each again.
 
         With them, budget 0 at this batch's measured plain step (`plain_seconds`), where one
         is: a measured budget against the fit's plain step compared a step's whole cost with a
-        line through steps of every batch size and prefill, which priced a plain step at batch
-        4 ~2 ms (8 %) below what it measured (session 38)."""
+        line through steps of every batch size and prefill, which prices a plain step at batch
+        4 ~2 ms (8 %) below what it measures."""
         here = self._priced(batch)
         if (plain := self.plain_seconds(batch)) is not None:
             here[0] = plain
@@ -1116,16 +1115,16 @@ class BudgetPolicy:
         sampling (T > 0); then `graft` says, per request, whether its lookup nodes are
         grafted. `held`: the outcome guard holds the step plain; it still explores on the
         policy's schedule, and is otherwise (0, False) without counting as a chosen step.
-        Held steps that never explored left a sampled class stuck: at batch 1, T=1 its first
-        ~30 steps read x0.37 of the table, the guard held plain (the policy drafted nothing:
-        a tie), and the policy ran only in the guard's rare probe windows, drafting nothing
-        there, for the whole run (session 38; session 27 saw the same)."""
+        Held steps that never explored would leave a sampled class stuck: at batch 1, T=1 its
+        first ~30 steps read x0.37 of the table, the guard holds plain (the policy drafts
+        nothing: a tie), and the policy would run only in the guard's rare probe windows,
+        drafting nothing there, for the whole run."""
         self._sampled = min(max(sampled, 0), batch) / batch if batch > 0 else 0.0
         lengths = self.lengths()
         n, rate = self._plan(batch, lengths)
         if n != self._choice:  # a new answer: check it again soon (not while held: a choice
-            # that took turns at a batch of 3-4 requests in a queue explored every few held
-            # steps, 125 explorations in 3,011 steps at batch 4, T=1, session 38)
+            # that takes turns at a batch of 3-4 requests in a queue would explore every few
+            # held steps, 125 explorations in 3,011 steps at batch 4, T=1)
             self._choice = n
             if not held:
                 self.interval = self.EXPLORE_MIN
@@ -1184,9 +1183,9 @@ class BudgetPolicy:
         the caller's head trees are larger): where n is a larger tree the answer is at most
         cap. A tree's factor is read only on the steps that drafted it, not beside the chains
         it is compared with, and beside lookup its extra nodes are mostly redundant: at batch 1,
-        T=0 on the AMD EPYC the runs where `auto` drafted 6-node trees with lookup grafted
-        (296-560 steps at ~38-48 ms against ~31 ms for 2-node chains, the same tokens per step)
-        were 11-14 % below `chain:2+lookup:4` (session 35)."""
+        T=0 on the AMD EPYC 6-node trees with lookup grafted (~38-48 ms a step against ~31 ms
+        for 2-node chains, the same tokens per step) run 11-14 % below `chain:2+lookup:4`
+        (`treedraft bench`)."""
         top = n if cap is None else min(n, cap)
         best = self._beside_best(batch, top, lookup_rows)
         if best != n:  # the step counts as one at the budget drafted, not n (climbing: `_plan`)
@@ -1235,8 +1234,8 @@ class BudgetPolicy:
         fit's) plus what grafts alone were measured to add (`graft_cost`), else the fit's price
         of a verifying request and of a verified row. Such a step verifies the lookup's trie
         (often a chain: no tree attention) and runs no head forward: at batch 1, T=0 on the AMD
-        EPYC a grafting step took ~38 ms beside a 1-2 node head chain and ~31 ms beside none,
-        for 3.8 against 3.4 tokens (session 37)."""
+        EPYC a grafting step takes ~38 ms beside a 1-2 node head chain and ~31 ms beside none,
+        for 3.8 against 3.4 tokens."""
         plain = self.plain_seconds(batch) or self.model.predict(batch)
         cost = self.graft_cost(batch)
         if cost is not None:
