@@ -196,8 +196,8 @@ class PairLog:
         dimension only when drained (a serving step logs views of its layers: no copy, no
         concatenation in the step; every entry of a log then has as many parts), tokens a numpy
         integer array (converted when drained). On a 2-core CPU the step's own concatenation
-        and conversion were ~0.13 ms of a plain decode step at batch 4 (session 36: every op
-        right after the target's forward runs with cold caches)."""
+        and conversion would be ~0.13 ms of a plain decode step at batch 4 (every op right
+        after the target's forward runs with cold caches)."""
         self.entries.append((req_ids, positions, feats, tokens))
 
     def drain(self, pending: dict[str, PendingPairs], live: Container[str] | None = None

@@ -135,8 +135,8 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> T
     attend) or None: the serving sessions' calls (a decode commit, a tree level). Two grouped
     matmuls in float32 against the session cache's float32 K/V: nothing is repeated or converted
     but the queries. On a 2-core CPU (bf16 head, 9 query / 3 kv heads) per call at 400 keys:
-    77 us for one query and 86 for two, where SDPA over repeated bf16 K/V took 289 and 149 and
-    converting a bf16 cache to float32 first 144 and 152 (session 35)."""
+    77 us for one query and 86 for two, where SDPA over repeated bf16 K/V takes 289 and 149 and
+    converting a bf16 cache to float32 first 144 and 152."""
     _, nh, T, d = q.shape
     nkv, S = k.shape[1], k.shape[2]
     groups = nh // nkv
@@ -149,7 +149,7 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> T
 
 
 # packed segments with more queries than this run SDPA (a prompt's commit); fewer, the grouped
-# matmuls (`grouped_attention`: ~2x faster at 1-4 queries on the 2-core CPU, session 35), and
+# matmuls (`grouped_attention`: ~2x faster at 1-4 queries on the 2-core CPU), and
 # several such segments of one pool attend together (`pooled_attention`)
 GROUPED_MAX_QUERIES = 16
 

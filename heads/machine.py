@@ -45,8 +45,8 @@ class CpuInfo:
     @property
     def fast_bf16_training(self) -> bool:
         """bf16 faster than float32 in torch's own GEMMs at training shapes: AMX only. With
-        AVX512-BF16 and no AMX (an Intel Xeon, session 23) torch's bf16 matmul ran at 170
-        GFLOP/s against 310 in float32, and a training step 1.4x slower."""
+        AVX512-BF16 and no AMX (an Intel Xeon) torch's bf16 matmul runs at 170 GFLOP/s
+        against 310 in float32, and a training step 1.4x slower."""
         return "amx_bf16" in self.flags
 
 

@@ -368,9 +368,10 @@ def _draw_level(rows: Tensor, draws: Sequence[tuple[SamplingParams, torch.Genera
     """One level of `draft_chains`: rows [N, V] of the head's logits, draws (params, generator)
     per row -> (q [N, V] float32, the drawn index [N]). `process_logits` once per distinct
     params (row-wise, so what each row gets alone), argmax for greedy rows, and one `draw_each`
-    for all sampled rows (what `draw` one row at a time gives them). Per-row calls
-    took ~0.04 ms more a sampled request and level: at batch 4, T=1, `chain=1` on a 2-core CPU
-    the drafting phase went 4.24 -> 4.07 ms a step (session 39)."""
+    for all sampled rows (what `draw` one row at a time gives them). Per-row calls cost
+    ~0.04 ms more a sampled request and level: at batch 4, T=1, `chain=1` on a 2-core CPU the
+    drafting phase takes 4.07 ms a step, 4.24 ms with per-row calls (`treedraft bench
+    --profile`)."""
     groups: dict[SamplingParams, list[int]] = {}
     for i, (params, _) in enumerate(draws):
         groups.setdefault(params, []).append(i)

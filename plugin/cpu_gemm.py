@@ -2,9 +2,10 @@
 
 vLLM runs the target's linears through `dispatch_cpu_unquantized_gemm`: prepacked weights and
 oneDNN / AMX micro-kernels (sgl-kernel for small ones). At decode sizes (1-16 rows) torch's own
-`F.linear` is slower: 1.5-3x in bfloat16 on an AMX CPU, and about 2x in float32 on an AVX2-only
-AMD EPYC (session 12: the shipped head's commit of 2 pairs 3.7 -> 2.1 ms, a `dynamic:10,3,3`
-tree 18.9 -> 7.1 ms at batch 1), and the head's matmuls are most of a drafting step.
+`F.linear` is slower: 1.5-3x in bfloat16 on an AMX CPU, and about 2x in float32 on a 2-core
+AVX2-only AMD EPYC (the shipped head's commit of 2 pairs 2.1 ms against 3.7, a
+`dynamic:10,3,3` tree 7.1 ms against 18.9 at batch 1), and the head's matmuls are most of a
+drafting step.
 `use_vllm_gemm` routes every `nn.Linear` of a loaded head through the same dispatch. Drafts
 only: their speed changes, never exactness (acceptance verifies any draft).
 
