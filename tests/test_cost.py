@@ -64,10 +64,10 @@ def test_a_negative_intercept_is_refitted_not_clipped():
     """Batch 32 decoding for a while (the plain window holds no prefill any more), one request
     sometimes left out of a step (31 rows) and those steps faster by chance: least squares
     explains the 31/32 difference as 60 ms per row with an intercept of -1.7 s. Clipping that
-    intercept to 0 kept the slope: a step of 32 rows was priced at 1.9 s (measured 0.26 s), so
-    drafting looked nearly free next to it. An engine log showed such a fit (0 ms + 131 ms per
-    decode row) with auto drafting 12 nodes per request at batch 32 (session 17). A negative
-    intercept leaves the fit as any negative coefficient does."""
+    intercept to 0 would keep the slope: a step of 32 rows priced at 1.9 s (measured 0.26 s),
+    so drafting looks nearly free next to it, and such a fit (0 ms + 131 ms per decode row)
+    drafts 12 nodes per request at batch 32 in the engine. A negative intercept leaves the fit
+    as any negative coefficient does."""
     for prefills in ([], [(0.70, 3000), (0.50, 2000)]):
         m = StepCostModel()
         for seconds, rows in prefills:
@@ -102,12 +102,11 @@ def test_budget_follows_cost_and_batch():
 
 
 def test_a_budget_far_beyond_the_rows_measured_is_not_chosen():
-    """An engine's start at batch 16 (session 31, an engine log): prefill steps and noisy
-    decode steps, then one exploration that drafted one node for one request, verified in a
-    step that came out faster by chance. The fit prices a verified row at ~0, and every budget
-    looked free: auto chose 24, then 60 nodes for each of the 16 requests (~1,000 rows, seconds
-    of one step). A choice now verifies at most max(batch, 16, 2x the most rows a step
-    verified)."""
+    """An engine's start at batch 16: prefill steps and noisy decode steps, then one
+    exploration that drafted one node for one request, verified in a step that came out faster
+    by chance. The fit prices a verified row at ~0, and every budget looks free: unbounded, auto
+    would choose 24, then 60 nodes for each of the 16 requests (~1,000 rows, seconds of one
+    step). A choice verifies at most max(batch, 16, 2x the most rows a step verified)."""
     lengths = expected_lengths(RATES, 64, chain=False)
     noise, policy = random.Random(0), BudgetPolicy(lengths)
     for pre in (400, 250, 300, 120):
@@ -185,9 +184,9 @@ def test_near_equal_budgets_under_noisy_step_times_keep_one_choice():
 
 def test_a_verifying_request_has_its_own_price():
     """Batch 4 on the AVX2 CPU, steps timed by how many requests verified drafts and how many
-    rows (session 21: 60.9 ms plain; 4 rows of 1 request 69.5, 8 of 2 79.6, 12 of 3 87.5,
-    16 of 4 97.0, 1 row of 1 request 67.4): a request's tree costs ~5.8 ms and each row
-    ~0.7 ms. Priced per row alone (~2.2 ms) one head node per request looked worth drafting
+    rows (60.9 ms plain; 4 rows of 1 request 69.5, 8 of 2 79.6, 12 of 3 87.5, 16 of 4 97.0,
+    1 row of 1 request 67.4): a request's tree costs ~5.8 ms and each row ~0.7 ms. Priced per
+    row alone (~2.2 ms) one head node per request looks worth drafting
     where it costs 4 x 6.5 ms; with the request's price it is not drafted, while a lookup
     graft of 4 nodes that earns 2.5 tokens still pays."""
     noise = random.Random(5)
@@ -304,8 +303,8 @@ def test_acceptance_is_measured_per_budget_where_deeper_nodes_earn_nothing():
     """On text the model repeats, the head's first node accepts far above its table while a
     second node adds nothing: the head's acceptance is kept per budget drafted (a budget not
     drafted lately expects what the budget below it measured), so the policy settles on one
-    node where one factor for the whole table kept drafting two (SmolLM2 at batch 1, session
-    20: 0.91x the fixed one-node hybrid's tokens/s)."""
+    node where one factor for the whole table keeps drafting two (SmolLM2 at batch 1: 0.91x
+    the fixed one-node hybrid's tokens/s)."""
     lengths = expected_lengths(RATES, 16, chain=False)
 
     def cpu(dec, ver, dra):  # batch 1: a verified row ~3 ms, a drafted node ~2 ms of 45
@@ -336,14 +335,14 @@ def test_acceptance_is_measured_per_budget_where_deeper_nodes_earn_nothing():
 
 def test_a_start_up_stall_leaves_no_plain_steps_that_price_rows_at_nothing():
     """An engine's first steps 3.5x slower (another process on the 2 cores), then normal: the
-    plain steps of the stall stayed the only plain steps the model had (the policy drafted
-    from then on), so a verified row was priced at ~0 against them and auto drafted many nodes
-    for the rest of the run (session 20: 175 ms a step + 0 ms a row, 24-32 nodes at batch 1,
-    where one pays). A plain step is measured now and then, and one far faster than the
+    plain steps of the stall stay the only plain steps the model has (the policy drafts from
+    then on), so a verified row is priced at ~0 against them and auto would draft many nodes
+    for the rest of the run (175 ms a step + 0 ms a row, 24-32 nodes at batch 1, where one
+    pays). A plain step is measured now and then, and one far faster than the
     plain steps kept predict replaces them."""
     lengths = expected_lengths(RATES, 64, chain=False)
 
-    def cpu(ver):  # batch 1: a verified row ~5.3 ms of a ~50 ms step (session 20)
+    def cpu(ver):  # batch 1: a verified row ~5.3 ms of a ~50 ms step (2-core AVX2 EPYC)
         return 0.051 + 0.0053 * ver
 
     assert max(lengths, key=lambda n: lengths[n] / (cpu(n) + 0.002 + 0.0015 * n)) == 1
@@ -405,9 +404,9 @@ def test_lookup_is_grafted_per_request_where_it_pays():
 def test_a_grafted_match_length_is_never_kept_below_break_even():
     """Batch 16 on a CPU (a step ~62 ms, a verified row ~2 ms): lookup is taken up only with a
     margin over what its nodes cost in the step's tokens, and dropped as soon as what it earns
-    falls below that cost. Kept down to 0.85 of it, grafts that earned a little less than they
-    cost were made on every step they matched (auto 0.967x no-spec at batch 16, T=0, in a queue,
-    where it ran 0.988x without lookup; session 30)."""
+    falls below that cost. Kept down to 0.85 of it, grafts that earn a little less than they
+    cost are made on every step they match (auto 0.967x no-spec at batch 16, T=0, in a queue,
+    against 0.988x without lookup)."""
     lengths = expected_lengths(RATES, 16, chain=False)
     policy = BudgetPolicy(lengths, lookup=True)
     policy.model = fitted(0.030, 0.002, 0.002)
@@ -573,9 +572,9 @@ def test_the_model_refits_every_few_steps_and_at_once_on_news():
 
 
 def test_a_measured_step_cost_replaces_the_fits_price_of_that_budget():
-    """At batch 1 on the AMD EPYC (session 31) the linear fit priced two more head nodes at ~4 ms
-    where they cost ~5 (drafting levels, branching rows), and auto drafted 4 nodes where 2 paid
-    more. Steps measured at a budget (every request verified and drafted it) now price it."""
+    """At batch 1 on the AMD EPYC the linear fit prices two more head nodes at ~4 ms where they
+    cost ~5 (drafting levels, branching rows), and picks 4 nodes where 2 pay more. Steps
+    measured at a budget (every request verified and drafted it) price it."""
     lengths = expected_lengths(RATES, 16, chain=False)
     model = fitted(0.025, 0.001, 0.0015, 0.0005)  # rows look cheap
     policy, fresh = BudgetPolicy(lengths), BudgetPolicy(lengths)
@@ -615,12 +614,12 @@ def test_a_measured_step_cost_replaces_the_fits_price_of_that_budget():
 
 
 def test_steps_beside_lookup_are_measured_under_their_own_key():
-    """Batch 1, T=0 on the AMD EPYC (session 36): steps that verified lookup rows beside the
-    head's were filed under the head's budget with those rows priced out at the fit's price of
-    a verified row (~1.4 ms, where one costs the memory-bound forward almost nothing), so the
-    budget drafted beside lookup most (one node) looked 4-6 ms cheaper than the next, and `auto`
-    drafted one node where `chain:2+lookup:4` ran 3-7 % faster. Each kind of step now prices
-    itself: a head budget by its steps without lookup, a lookup row by the difference."""
+    """Batch 1, T=0 on the AMD EPYC: steps that verified lookup rows beside the head's, filed
+    under the head's budget with those rows priced out at the fit's price of a verified row
+    (~1.4 ms, where one costs the memory-bound forward almost nothing), make the budget drafted
+    beside lookup most (one node) look 4-6 ms cheaper than the next, and one node is chosen
+    where `chain:2+lookup:4` runs 3-7 % faster. Each kind of step prices itself: a head
+    budget by its steps without lookup, a lookup row by the difference."""
     lengths = expected_lengths(RATES, 4, chain=True)
     policy = BudgetPolicy(lengths, lookup=True)
     policy.model = fitted(0.024, 0.001, 0.0014, 0.001)  # a verified row priced at 1.4 ms
@@ -655,11 +654,11 @@ def test_steps_beside_lookup_are_measured_under_their_own_key():
 
 
 def test_a_choice_climbs_one_budget_at_a_time_and_nearby_batches_share_what_was_measured():
-    """Batch 16, T=0, AMD EPYC (session 33): a fit learned from lookup grafts and one-request
-    explorations priced 4 head nodes for each of 16 requests as paying, and `auto` drafted them
-    where one node cost 1.7x a plain step; then the batch shrank (15, 14, ...) and each size
-    was tried again on the fit's price. A choice now climbs one budget at a time (one node is
-    measured first), and a batch with nothing measured is priced as the nearest one measured."""
+    """Batch 16, T=0, AMD EPYC: a fit learned from lookup grafts and one-request explorations
+    prices 4 head nodes for each of 16 requests as paying where one node costs 1.7x a plain
+    step; as the batch shrinks (15, 14, ...) each size would be tried again on the fit's price.
+    A choice climbs one budget at a time (one node is measured first), and a batch with nothing
+    measured is priced as the nearest one measured."""
     lengths = expected_lengths(RATES, 16, chain=False)
     policy = BudgetPolicy(lengths)
     policy.model = fitted(0.040, 0.0005, 0.00005, 0.00002)  # rows look cheap
@@ -692,10 +691,10 @@ def test_a_choice_climbs_one_budget_at_a_time_and_nearby_batches_share_what_was_
 
 
 def test_a_lookup_graft_is_priced_at_no_less_than_measured():
-    """At batch 16-32 on the AMD EPYC (session 32) the degenerate fit priced a lookup-only graft
-    at a few ms where grafting steps took ~13-30 ms more than plain ones: `auto` grafted on
-    100-270 steps and ran 0.95x no-spec. What grafts were measured to add at a batch size is now
-    the least a graft there is priced at (`graft_seconds`); batch sizes beyond 2x keep the fit's."""
+    """At batch 16-32 on the AMD EPYC the degenerate fit prices a lookup-only graft at a few ms
+    where grafting steps take ~13-30 ms more than plain ones (`auto` priced so runs 0.95x
+    no-spec). What grafts were measured to add at a batch size is the least a graft there is
+    priced at (`graft_seconds`); batch sizes beyond 2x keep the fit's."""
     lengths = expected_lengths(RATES, 16, chain=False)
     policy = BudgetPolicy(lengths, lookup=True)
     policy.model = fitted(0.035, 0.0003, 0.0005, 0.01)  # head nodes dear, graft rows cheap
@@ -717,8 +716,8 @@ def test_a_lookup_graft_is_priced_at_no_less_than_measured():
 def test_beside_lookup_the_head_drafts_the_budget_that_pays_there():
     """Where every request grafts its lookup proposal (greedy), the head budget is chosen from
     what each budget would have given beside the lookup on the same steps (counterfactual: a
-    chain of m nodes is a prefix of the one drafted): at batch 1, T=0 a 3-node chain was chosen
-    beside lookup where one node and the lookup were 7 % faster (session 33)."""
+    chain of m nodes is a prefix of the one drafted): at batch 1, T=0 one node and the lookup
+    run 7 % faster than a 3-node chain beside lookup."""
     from treedraft.heads.cost import HeadBesideLookup
 
     beside = HeadBesideLookup()
@@ -749,8 +748,8 @@ def test_beside_lookup_the_head_drafts_the_budget_that_pays_there():
     assert policy._used[(1, 1)][0] == answers.count(1)  # climbing counts the budget drafted
     assert policy.graft_budget(1, 1, 4) == 1  # one node earns more than the lookup alone
     # where the head adds nothing beside the lookup, the lookup alone: no head forward, and
-    # its (often chain-shaped) trie verified without the head's branch (session 37: ~31 ms a
-    # step against ~38 beside a head chain at batch 1). Not counted as a head budget used.
+    # its (often chain-shaped) trie verified without the head's branch (~31 ms a step against
+    # ~38 beside a head chain at batch 1). Not counted as a head budget used.
     alone = BudgetPolicy(lengths, lookup=True)
     alone.model = policy.model
     for _ in range(10):
@@ -787,8 +786,8 @@ def test_beside_lookup_the_head_drafts_the_budget_that_pays_there():
 
 def test_a_step_pays_once_for_verifying_any_graft_and_grafts_must_pay_it_together():
     """What grafting steps add over a plain one is fitted as a price the step pays once (its
-    tree step) plus one per graft: at batch 16, T=0 one graft's step cost ~10 ms more than a
-    plain one where the average over steps of 1-10 grafts priced a graft at ~6 ms (session 34).
+    tree step) plus one per graft: at batch 16, T=0 one graft's step costs ~10 ms more than a
+    plain one where the average over steps of 1-10 grafts prices a graft at ~6 ms.
     Lookup-only grafts are then taken only where together they pay the step's price too."""
     lengths = expected_lengths(RATES, 16, chain=False)
     policy = BudgetPolicy(lengths, lookup=True)
@@ -886,7 +885,7 @@ def test_the_outcome_guard_reads_identical_arms_as_equal_while_step_times_drift(
     """Each probe is compared with the leader's windows right beside it: where both arms
     realize the same but step times drift (contexts grow over a wave of requests), the guard
     reads ~1.00x. Compared over each arm's own recent windows, measured at different times,
-    identical arms read 1.06-1.17x apart in the engine (session 35)."""
+    identical arms read 1.06-1.17x apart in the engine."""
     guard = OutcomeGuard()
     _run_guard(guard, (32, True), {True: 1.0, False: 1.0}, 200 * OutcomeGuard.WINDOW, trend)
     assert guard._state[(32, True)]["compared"] >= 5
@@ -896,8 +895,8 @@ def test_the_outcome_guard_reads_identical_arms_as_equal_while_step_times_drift(
 
 def test_the_outcome_guard_lets_auto_lead_only_by_a_margin():
     """`auto` leads only where its windows realized LEAD (4 %) over plain ones beside them: at
-    batch 16, T=0 on a 2-core CPU, where nothing pays, a 1.03x reading let 78 lookup steps at
-    71 ms run against 43 ms plain ones (0.943x no-spec, session 37)."""
+    batch 16, T=0 on a 2-core CPU, where nothing pays, a lead taken on a 1.03x reading runs
+    lookup steps at 71 ms against 43 ms plain ones (0.943x no-spec)."""
     G = OutcomeGuard
     near, ahead = G(), G()
     _run_guard(near, (16, False), {True: 1.03, False: 1.0}, 60 * G.WINDOW)
@@ -908,7 +907,7 @@ def test_the_outcome_guard_lets_auto_lead_only_by_a_margin():
 
 
 def test_a_measured_budget_is_weighed_against_the_measured_plain_step():
-    """Batch 4 on the AMD EPYC (session 38): plain steps measured ~27 ms where the fit, a line
+    """Batch 4 on the AMD EPYC: plain steps measured ~27 ms where the fit, a line
     through steps of every batch size and prefill, said ~25; one node for every request
     measured 35.9 ms for 1.42 tokens each (1.07x). Against the fit's plain step the measured
     budget looked 2 % slower than drafting nothing; against the measured plain step it pays."""
@@ -936,11 +935,11 @@ def test_a_measured_budget_is_weighed_against_the_measured_plain_step():
 
 
 def test_a_measured_step_cost_is_moved_little_by_a_few_stalls():
-    """Batch 1, T=1 on the AMD EPYC (session 38): steps at one head node measured 29.4 ms at
-    the median and two nodes 29.5, but two-node steps ran up to 43 ms now and then (p95 34 ms),
-    and their decayed mean moved between 28.3 and 35.8 ms over a run; a budget left behind
-    keeps what it measured last until explored again, and `auto` drafted 1 or 3 nodes where 2
-    paid most. A measurement far off the budget's mean moves it as one MEASURED_CLIP off would."""
+    """Batch 1, T=1 on the AMD EPYC: steps at one head node measure 29.4 ms at the median and
+    two nodes 29.5, but two-node steps run up to 43 ms now and then (p95 34 ms), and an
+    unclipped decayed mean moves between 28.3 and 35.8 ms over a run; a budget left behind
+    keeps what it measured last until explored again, so 1 or 3 nodes get chosen where 2 pay
+    most. A measurement far off the budget's mean moves it as one MEASURED_CLIP off would."""
     policy = BudgetPolicy({0: 1.0, 1: 1.4, 2: 1.6})
     for _ in range(8):
         policy.measured_step(1, 2, 0.0295)
@@ -959,11 +958,11 @@ def test_a_measured_step_cost_is_moved_little_by_a_few_stalls():
 
 
 def test_sampled_chains_are_read_per_depth():
-    """Batch 1, T=1 (session 38): chains drawn from q accepted their first node 0.45 of the
-    time, a second 0.5 of the times the first was, a third or fourth ~0.1: two nodes 0.68
-    tokens, three 0.70, four 0.70. With `auto` drafting two nodes mostly and three or four
+    """Batch 1, T=1: chains drawn from q accept their first node 0.45 of the time, a second
+    0.5 of the times the first was, a third or fourth ~0.1: two nodes 0.68 tokens, three
+    0.70, four 0.70. With `auto` drafting two nodes mostly and three or four
     now and then, each budget's own factor (`Acceptance.at`, observed as the engine does, and
-    with every shorter chain read from the chain drafted) priced the third node at -0.29 to
+    with every shorter chain read from the chain drafted) prices the third node at -0.29 to
     +0.15 tokens and the fourth at -0.16 to +0.30 across these seeds; read per depth
     (`ChainRates`) what a node adds is a product of rates, and it comes out small every time."""
     rates = [[0.8, 0.1], [0.75], [0.7], [0.7]]  # the head's table at T=0: deeper nodes earn
@@ -989,7 +988,7 @@ def test_sampled_chains_are_read_per_depth():
 
 def test_a_held_step_explores_on_the_policys_schedule_and_counts_as_no_choice():
     """While the outcome guard holds steps plain the policy still explores on its schedule
-    (batch 1, T=1, session 38: a sampled class that read x0.37 early was held plain and never
+    (batch 1, T=1: otherwise a sampled class that reads x0.37 early is held plain and never
     explored again); the held steps return nothing and are not counted as chosen (climbing)."""
     lengths = expected_lengths(RATES, 16, chain=False)
     for model in (StepCostModel(), fitted(0.025, 0.001, 0.0005, 0.0002)):
@@ -1015,9 +1014,9 @@ def test_a_held_step_explores_on_the_policys_schedule_and_counts_as_no_choice():
 
 
 def test_sampled_requests_drafting_nothing_on_few_draws_keep_exploring():
-    """Batch 1, T=1 (session 38): the first ~13-30 sampled draws of a run read x0.37-0.45 of
-    the table, `auto` chose nothing and its explorations backed off to one in 256 steps: 812
-    steps plain. While the sampled class's chains were tried fewer than CHAIN_EVIDENCE times
+    """Batch 1, T=1: the first ~13-30 sampled draws of a run read x0.37-0.45 of the table;
+    choosing nothing, explorations would back off to one in 256 steps and hundreds of steps run
+    plain. While the sampled class's chains were tried fewer than CHAIN_EVIDENCE times
     at depth 1, a mostly sampled step that drafts nothing explores every EXPLORE_MIN steps;
     greedy steps (teacher-forced checks teach them) and later ones back off as ever."""
     lengths = expected_lengths(RATES, 16, chain=False)
