@@ -13,9 +13,9 @@ default) on the same ShareGPT conversations (their own replies, no generation) w
 `treedraft train`, one after the other, each in its own process with the whole machine (its
 progress bar goes to OUT/NAME.log):
 
-- `old`: the recipe before issue 13: random batches (`length_buckets=1`), the target run for
+- `old`: the streamed baseline: random batches (`length_buckets=1`), the target run for
   every batch of every epoch, bf16 autocast whatever the CPU, a cosine schedule;
-- `old-dtype-auto`: the old recipe with the machine's dtype, to tell that gain from the rest;
+- `old-dtype-auto`: the baseline with the machine's dtype, to tell that gain from the rest;
 - `new`: the shipped recipe: a feature cache (the target runs once per sequence; later epochs
   cost only the head), length-bucketed batches, `dtype=auto` (training: float32 on CPUs
   without AMX), warmup-stable-decay;
@@ -48,7 +48,7 @@ OLD = ["--cache_features=false", "--length_buckets=1", "--schedule=cosine",
        "--unroll_curriculum=0"]
 RECIPES = {
     "old": [*OLD, "--dtype=bfloat16"],
-    "old-dtype-auto": [*OLD, "--dtype=auto"],  # the old recipe with only the dtype changed
+    "old-dtype-auto": [*OLD, "--dtype=auto"],  # the baseline with only the dtype changed
     "new": ["--cache_features=true", "--length_buckets=16", "--dtype=auto", "--schedule=wsd",
             "--decay_fraction=0.4"],
 }

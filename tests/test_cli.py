@@ -377,7 +377,7 @@ def test_bench_speedup_chart_bars_scale_mark_and_ranges():
 
 
 def test_bench_reports_the_other_configs_when_one_engine_fails(tmp_path, monkeypatch, capsys):
-    """An engine that dies (session 26: vLLM's ngram at T=1) costs its own row, not the bench:
+    """An engine that dies (e.g. a baseline vLLM method at T=1) costs its own row, not the bench:
     the other configurations run and are tabled, the failure is named with its log; a failed
     baseline stops the bench (nothing to compare with)."""
     from treedraft.scripts import engine

@@ -431,8 +431,8 @@ def test_medusa_shapes_and_depth_limit():
 
 def test_unmeasured_medusa_static_tree_stays_within_its_heads():
     """A Medusa checkpoint saved before its acceptance was measured has no acceptance_rates: a
-    static tree shaped from the default table (MAX_TREE_DEPTH deep) reached past its last head
-    and the engine died at the first draft (session 27, `static:64` on a step-550 checkpoint).
+    static tree shaped from the default table (MAX_TREE_DEPTH deep) would reach past its last
+    head and kill the engine at the first draft (`static:64`).
     tree_rates() cuts the default table to the heads it has; measured rates are kept."""
     from treedraft.heads.tree import DEFAULT_ACCEPTANCE_RATES, draft_tree, parse_tree_spec
 
