@@ -153,7 +153,7 @@ def resolve_tree(sc: dict, head_config: dict) -> tuple[Any, bool]:
     return spec, auto
 
 
-def rewrite(engine_args, target_model_config) -> None:
+def rewrite(engine_args, target_model_config, parallel_config=None) -> None:
     """Rewrite engine_args.speculative_config in place when it names a treedraft head."""
     sc = dict(engine_args.speculative_config or {})
     for key, attr in FLAGS.items():  # the --spec-* shorthands, merged as vLLM would
@@ -163,7 +163,7 @@ def rewrite(engine_args, target_model_config) -> None:
     head_dir = _head_dir(sc.get("model"))
     if head_dir is None:
         if sc.get("method") == KEY and not sc.get("model"):
-            return _rewrite_lookup_only(engine_args, sc, target_model_config)
+            return _rewrite_lookup_only(engine_args, sc, target_model_config, parallel_config)
         if sc.get("method") == KEY:
             raise ValueError(
                 f"--speculative-config: method 'treedraft' needs 'model' to be a treedraft head "
@@ -211,12 +211,14 @@ def rewrite(engine_args, target_model_config) -> None:
                 f"{head.config.num_heads} heads; use a tree at most {head.config.num_heads} deep"
             )
     _check_platform(spec)
+    _check_parallel(spec, auto, parallel_config)
     _check_target(spec, target_model_config)
     _finish(engine_args, sc, spec, {"head_dir": str(head_dir), "head_type": head.head_type,
                                     "auto": auto})
 
 
-def _rewrite_lookup_only(engine_args, sc: dict, target_model_config) -> None:
+def _rewrite_lookup_only(engine_args, sc: dict, target_model_config, parallel_config=None
+                         ) -> None:
     """{"method": "treedraft", "tree": "lookup:N"}: prompt lookup verified as trees, no head."""
     from treedraft.heads.tree import parse_tree_spec
 
@@ -232,6 +234,7 @@ def _rewrite_lookup_only(engine_args, sc: dict, target_model_config) -> None:
         raise ValueError(f"--speculative-config: num_speculative_tokens={k} disagrees with tree "
                          f"{spec.to_string()!r} ({spec.max_nodes} nodes); drop it")
     _check_platform(spec)
+    _check_parallel(spec, False, parallel_config)
     _check_target(spec, target_model_config)
     _finish(engine_args, sc, spec, {"head_dir": None, "head_type": None})
 
@@ -245,6 +248,37 @@ def _check_platform(spec) -> None:
             "backend only so far (the CUDA attention path is designed in plugin/attention_cpu.py "
             "but not built); use 'chain:K' on this platform"
         )
+
+
+def _check_parallel(spec, auto: bool, parallel_config) -> None:
+    """Refuse, at startup, what treedraft cannot serve exactly across parallel ranks.
+
+    Pipeline parallel: vLLM builds the drafter on the last stage only, so only that stage would
+    install tree attention and compact the accepted path's K/V; earlier stages would compute
+    tree rows as one causal sequence and keep rejected nodes' K/V. Tensor parallel: every rank
+    runs its own proposer while the scheduler takes rank 0's drafts, so the ranks must draft
+    identically. `auto` decides from each rank's own wall-clock timings (ranks draft different
+    trees) and tree attention depends on each rank's stored tree matching the scheduled drafts:
+    both are refused. A fixed chain drafts the same tokens on every rank (the same head on
+    the same all-reduced hidden states) and vLLM verifies it on every rank, as its own EAGLE."""
+    if parallel_config is None:
+        return
+    pp = getattr(parallel_config, "pipeline_parallel_size", 1)
+    tp = getattr(parallel_config, "tensor_parallel_size", 1)
+    if pp > 1:
+        raise NotImplementedError(
+            f"pipeline_parallel_size={pp}: treedraft does not support pipeline parallelism (vLLM "
+            "runs the drafter on the last stage only, so earlier stages would verify drafts "
+            "without tree attention or KV compaction); serve with pipeline_parallel_size=1, "
+            "or drop --speculative-config")
+    if tp > 1 and (auto or not spec.is_chain):
+        what = "'auto' (each rank would choose its own tree size from its own timings)" if auto \
+            else f"the branching tree {spec.to_string()!r}"
+        k = spec.max_nodes if spec.is_chain else 3
+        raise NotImplementedError(
+            f"tensor_parallel_size={tp}: treedraft cannot serve {what} exactly across "
+            f"tensor-parallel ranks; draft a fixed chain instead (\"num_speculative_tokens\": "
+            f"{k} without 'tree', or \"tree\": \"chain:{k}\"), or use tensor_parallel_size=1")
 
 
 SINK_MODEL_TYPES = ("gpt_oss",)  # attention with learned sinks
@@ -300,7 +334,7 @@ def _finish(engine_args, sc: dict, spec, head: dict) -> None:
 
 def _wrap_create_speculative_config(original):
     def create_speculative_config(self, target_model_config, target_parallel_config):
-        rewrite(self, target_model_config)
+        rewrite(self, target_model_config, target_parallel_config)
         return original(self, target_model_config, target_parallel_config)
 
     return create_speculative_config

@@ -415,7 +415,7 @@ class TreeDraftProposer:
         self.trees: dict[str, DraftTree] = {}  # drafted this step, verified next step (tree mode)
         self.chain_q: dict[str, torch.Tensor] = {}  # q [K, V] of the sampled chains in `trees`
         self.lookups: dict[str, LookupIndex] = {}  # per request, its token history indexed
-        self._info: dict[str, tuple[bool, object]] = {}  # per request, `_request_info`
+        self._info: dict[str, tuple] = {}  # per request: (its SamplingParams, *_request_info)
         self._known: set[str] = set()  # requests any of the per-request dicts may hold
         self.sources: dict[str, torch.Tensor] = {}  # per request, HEAD/LOOKUP bits of its tree
         self.source_stats = None  # accepted tokens by source -> the frontend (tree mode)
@@ -828,16 +828,19 @@ class TreeDraftProposer:
 
     def _request_info(self, runner, req_id: str) -> tuple[bool, object]:
         """(trees cannot honour its parameters, its heads SamplingParams when it samples (T > 0)
-        else None), once per request: a request's sampling parameters never change."""
+        else None), computed once per sampling-parameters object: vLLM replaces a request's
+        parameters under the same id (a streaming-input session's next chunk; an id aborted
+        and resubmitted), and a stale answer would draft for a request trees cannot honour."""
+        sp = runner.requests[req_id].sampling_params
         info = self._info.get(req_id)
-        if info is None:
+        if info is None or info[0] is not sp:
             from .sampler import heads_params
 
-            params = heads_params(runner.requests[req_id].sampling_params)
+            params = heads_params(sp)
             self._known.add(req_id)
-            info = self._info[req_id] = (bool(request_unsupported(runner, req_id)),
+            info = self._info[req_id] = (sp, bool(request_unsupported(runner, req_id)),
                                          None if params.greedy else params)
-        return info
+        return info[1:]
 
     def _sampled_params(self, runner, req_id: str):
         """heads SamplingParams of a request that samples (T > 0), else None (greedy)."""

@@ -149,6 +149,21 @@ def _batch_logprobs(plain, paths: dict[int, tuple], B: int, S1: int):
     return LogprobsTensors(out_ids.flatten(0, 1), out_lps.flatten(0, 1), out_ranks.flatten())
 
 
+def sample_plain(sampler, logits: torch.Tensor, sm) -> object:
+    """vLLM's own sampler on one row per request, with no speculative tokens in its history.
+
+    The rows whose sample is kept are those of requests without valid drafts, which are
+    sampled exactly as without speculation: at their only row, or at the root row when their
+    scheduled drafts are not verified (plugin/runner.py build_step). Their penalties, bad_words
+    and thinking budget must count committed output tokens only; vLLM's `predict_bonus_token`
+    would add the scheduled drafts (`Sampler._combine_outputs_with_spec_tokens`), which the
+    root row has not seen. Rows of verified trees are sampled here too, and dropped."""
+    import dataclasses
+
+    return sampler(logits=logits, sampling_metadata=dataclasses.replace(sm, spec_token_ids=None),
+                   predict_bonus_token=False)
+
+
 def verify_trees(runner, logits: torch.Tensor, meta, step) -> object:
     """Replacement for vLLM's RejectionSampler in tree mode; same output format.
 
@@ -175,7 +190,7 @@ def verify_trees(runner, logits: torch.Tensor, meta, step) -> object:
     for i, req in requests.items():
         if req.size == 1:
             rows[i] = cu[i] - meta.num_draft_tokens[i] - 1
-    plain = runner.sampler(logits=logits[rows], sampling_metadata=sm, predict_bonus_token=True)
+    plain = sample_plain(runner.sampler, logits[rows], sm)
     out = torch.full((B, S1), -1, dtype=torch.int32, device=logits.device)
     out[:, 0] = plain.sampled_token_ids[:, 0]
     paths = {}  # i -> logprobs of the accepted path (tree requests that asked for logprobs)

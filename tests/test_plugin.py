@@ -382,14 +382,15 @@ def test_make_request_keeps_q_only_for_the_chain_it_was_drawn_for():
 
 
 # ----------------------------------------------------------------------------- config
-def _engine_config(spec: dict, model: str = "smollm2-135m", hf_overrides: dict | None = None):
+def _engine_config(spec: dict, model: str = "smollm2-135m", hf_overrides: dict | None = None,
+                   **engine_kwargs):
     from vllm.engine.arg_utils import EngineArgs
 
     from treedraft.training.models import resolve_model
 
     args = EngineArgs(model=str(resolve_model(model)), speculative_config=spec,
                       enforce_eager=True, dtype="float32", max_model_len=1024,
-                      **({"hf_overrides": hf_overrides} if hf_overrides else {}))
+                      **({"hf_overrides": hf_overrides} if hf_overrides else {}), **engine_kwargs)
     return args.create_engine_config()
 
 
@@ -578,6 +579,97 @@ def test_targets_trees_cannot_serve_are_refused_at_startup(override, message):
     chain = _engine_config({"model": "smollm2-135m-eagle", "num_speculative_tokens": 3},
                            hf_overrides=override)
     assert chain.additional_config["treedraft"]["tree"] == "chain:3"
+
+
+def _greedy_metadata(V: int, spec_token_ids, **penalties):
+    """vLLM SamplingMetadata of one greedy request with an empty history and `penalties`
+    (repetition_penalty / bad_words_token_ids), its scheduled drafts `spec_token_ids`."""
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+
+    rep = penalties.get("repetition_penalty", 1.0)
+    return SamplingMetadata(
+        temperature=None, all_greedy=True, all_random=False, top_p=None, top_k=None,
+        generators={}, max_num_logprobs=None, no_penalties=rep == 1.0,
+        prompt_token_ids=torch.tensor([[V - 1]]), frequency_penalties=torch.zeros(1),
+        presence_penalties=torch.zeros(1), repetition_penalties=torch.tensor([rep]),
+        output_token_ids=[[]], allowed_token_ids_mask=None,
+        bad_words_token_ids=penalties.get("bad_words_token_ids", {}),
+        logitsprocs=LogitsProcessors(), spec_token_ids=spec_token_ids)
+
+
+@pytest.mark.parametrize("penalty, drafts", [({"repetition_penalty": 2.0}, [3, 1]),
+                                             ({"bad_words_token_ids": {0: [[1, 3]]}}, [2, 1])])
+def test_root_row_is_sampled_without_the_unverified_drafts_in_its_history(penalty, drafts):
+    """A request whose scheduled drafts are not verified (trees cannot honour its parameters)
+    is sampled by vLLM's sampler at its root row: its penalties and bad_words must see the
+    committed tokens only, not the drafts scheduled after the root (vLLM's predict_bonus_token
+    would count them: token 3, the argmax, would be penalised as a repeat, or banned as the
+    end of the bad word "1 3" after the draft 1)."""
+    from vllm.v1.sample.sampler import Sampler
+
+    from treedraft.plugin.sampler import sample_plain
+
+    V = 8
+    logits = torch.zeros(1, V)
+    logits[0, 3], logits[0, 5] = 2.0, 1.5  # 3 wins unless penalised as a past token
+    sm = _greedy_metadata(V, [drafts], **penalty)
+    stock = Sampler()(logits.clone(), sm, predict_bonus_token=True).sampled_token_ids
+    assert stock.flatten().tolist() == [5]  # what the draft in the history does
+    assert sample_plain(Sampler(), logits.clone(), sm).sampled_token_ids.flatten().tolist() == [3]
+    assert sm.spec_token_ids == [drafts]  # the step's metadata is left as it was
+
+
+def test_request_info_follows_replaced_sampling_params():
+    """vLLM replaces a request's SamplingParams under the same id (a streaming-input session's
+    next chunk): whether trees can honour it, and its temperature, are read again."""
+    from vllm import SamplingParams
+
+    from treedraft.plugin.proposer import TreeDraftProposer
+
+    proposer = TreeDraftProposer.__new__(TreeDraftProposer)  # only the per-request cache
+    proposer._info, proposer._known = {}, set()
+    state = SimpleNamespace(sampling_params=SamplingParams(temperature=0))
+    runner = SimpleNamespace(requests={"r": state},
+                             sampler=SimpleNamespace(logprobs_mode="raw_logprobs"))
+    assert proposer._request_info(runner, "r") == (False, None)
+    state.sampling_params = SamplingParams(temperature=0, repetition_penalty=1.3)
+    assert proposer._request_info(runner, "r") == (True, None)
+    state.sampling_params = SamplingParams(temperature=0.7)
+    unsupported, params = proposer._request_info(runner, "r")
+    assert not unsupported and params.temperature == pytest.approx(0.7)
+
+
+@pytest.mark.parametrize("spec", [
+    {"model": "smollm2-135m-eagle"},  # auto, the default
+    {"model": "smollm2-135m-eagle", "tree": "dynamic:10,3,3+lookup:6"},
+    {"model": "smollm2-135m-eagle", "num_speculative_tokens": 3},
+    {"method": "treedraft", "tree": "lookup:8"},
+])
+def test_pipeline_parallel_is_refused_at_startup(spec):
+    """vLLM builds the drafter on the last pipeline stage only: earlier stages would verify
+    trees without tree attention or KV compaction. Any treedraft config is refused, naming it."""
+    with pytest.raises(NotImplementedError, match="pipeline_parallel_size=2: treedraft does not"):
+        _engine_config(spec, pipeline_parallel_size=2)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"model": "smollm2-135m-eagle"}, "'auto'"),
+    ({"model": "smollm2-135m-eagle", "tree": "auto:chain:3"}, "'auto'"),
+    ({"model": "smollm2-135m-eagle", "tree": "dynamic:10,3,3"}, "branching tree"),
+    ({"method": "treedraft", "tree": "lookup:8"}, "branching tree"),
+])
+def test_tensor_parallel_refuses_auto_and_trees_and_keeps_chains(spec, message):
+    """Every tensor-parallel rank runs its own proposer and the scheduler takes rank 0's drafts:
+    auto (per-rank timings) and trees are refused at startup; a fixed chain passes treedraft's
+    checks (SmolLM2's 9 heads then fail vLLM's own divisibility check: no TP engine here)."""
+    with pytest.raises(NotImplementedError, match=f"tensor_parallel_size=2.*{message}") as e:
+        _engine_config(spec, tensor_parallel_size=2)
+    assert "num_speculative_tokens" in str(e.value)  # says what to do
+    with pytest.raises(Exception, match="divisible by tensor parallel size") as e:
+        _engine_config({"model": "smollm2-135m-eagle", "num_speculative_tokens": 3},
+                       tensor_parallel_size=2)
+    assert not isinstance(e.value, NotImplementedError)
 
 
 def test_auto_sampled_chains_stay_within_what_the_head_drafts():
