@@ -9,7 +9,9 @@ ngram, chains, trees). Cumulative seconds per phase:
   frontend are outside it);
 - `prepare`: `_prepare_inputs` (input tensors; tree mode: the step's tree buffers and positions);
 - `forward`: `_model_forward`, the target's forward over every scheduled row; it includes
-- `tree_attention`: the torch recomputation of branching trees' rows (plugin/attention_cpu.py);
+- `tree_attention`: what branching trees add to attention in every layer (plugin/attention_cpu.py:
+  the chain cover's metadata, scratch copies and row permutation, and the torch recomputation of
+  trees left over);
 - `verify`: `_sample` (no speculation: sampling; chains: vLLM's rejection sampler; trees:
   tree verification), which includes
 - `kv_compaction`: moving accepted tree nodes' K/V to sequential slots (plugin/kv.py);
