@@ -116,6 +116,7 @@ class TreeCPUAttentionBackendImpl(CPUAttentionBackendImpl):
                 "alibi, sliding window, soft cap or sinks); use a chain tree ('chain:K')"
             )
         t0 = time.perf_counter()
+        step.tree_layers += 1
         seqs = step.seqs(attn_metadata, kv_cache.shape[2])
         meta = seqs.metadata(self, layer, query.dtype)
         seqs.copy_kv(kv_cache)

@@ -178,6 +178,7 @@ def _wrap_sample(original):
         from .sampler import verify_trees
 
         step = tree_step.of_runner(self)
+        tree_step.check_attended(step)
         out = verify_trees(self, logits, spec_decode_metadata, step)
         if step is not None:
             t = time.perf_counter()

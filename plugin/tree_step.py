@@ -43,6 +43,7 @@ class TreeStep:
     attention_seconds: float = 0.0  # what trees add to attention this step, all layers (profile)
     compaction_seconds: float = 0.0  # accepted-path K/V moves of this step (profile)
     scratch: range = range(0)  # KV block ids this step may overwrite (plugin/scratch.py)
+    tree_layers: int = 0  # attention layers that ran tree attention on this step's trees
 
     _seqs: tuple | None = field(default=None, repr=False)  # (metadata, TreeSeqs)
 
@@ -60,6 +61,19 @@ class TreeStep:
             self._seqs = (attn_metadata, TreeSeqs(self.trees, attn_metadata, block_size,
                                                   self.scratch))
         return self._seqs[1]
+
+
+def check_attended(step: TreeStep | None) -> None:
+    """Raise if the step has branching trees but no attention layer ran tree attention on them
+    (its metadata never reached the backend, e.g. a forward whose token count differs from the
+    step's: `attach`). Verifying such a step would accept drafts computed with causal attention
+    among siblings and sequential positions: never silently."""
+    if step is not None and step.trees and step.tree_layers == 0:
+        raise RuntimeError(
+            f"treedraft: this step drafted {len(step.trees)} branching tree(s) but no attention "
+            f"layer ran tree attention on its {step.num_tokens} tokens (the attention backend "
+            "did not receive the step); refusing to verify them. Please report this with the "
+            "engine configuration; serve with a chain ('chain:K') meanwhile")
 
 
 STEP_ATTR = "_treedraft_step"  # runner attribute: the TreeStep being executed, or None

@@ -273,10 +273,10 @@ def test_tree_rows_attend_to_prefix_and_ancestors_only(scratch):
     assert step.requests[0].is_chain
 
     causal = impl.forward(layer, q, None, None, kv, meta, torch.zeros_like(q)).clone()
-    tree_step.attach({"layer": meta}, tree_step.TreeStep(sum(n_rows) + 1))  # another forward's
-    assert tree_step.of_metadata(meta) is None
     tree_step.attach({"layer": meta}, step)  # what the runner does for this step's metadata
     out = impl.forward(layer, q, None, None, kv, meta, torch.zeros_like(q))
+    assert step.tree_layers == 1
+    tree_step.check_attended(step)  # the sampler may verify these trees
     assert torch.equal(out[: n_rows[0]], causal[: n_rows[0]])  # chains keep the C++ result
     assert not out.isnan().any()
     for r, parents in trees.items():
@@ -350,6 +350,27 @@ def test_copy_slots_moves_accepted_kv_to_sequential_slots():
         assert torch.equal(k2[:, root + j], K[root + a])
         assert torch.equal(v2[:, root + j], V[root + a])
     assert torch.equal(k2[:, :root + 1], K[: root + 1].transpose(0, 1))
+
+
+def test_a_tree_step_that_never_reached_tree_attention_is_refused():
+    """A forward whose token count is not the step's gets no step in its metadata (profiling
+    and warm-up runs); if the step's own forward ever did, its trees would have been computed
+    with causal attention: verifying them raises instead of accepting silently."""
+    from treedraft.heads.tree import DraftTree
+    from treedraft.plugin import tree_step
+
+    tree = DraftTree(torch.tensor([7, 1, 2]), torch.tensor([-1, 0, 0]), torch.zeros(3))
+    step = tree_step.TreeStep(3)
+    step.requests[0] = tree_step.make_request(0, "x", 0, 10, 7, [1, 2], tree)
+    meta = SimpleNamespace(num_actual_tokens=4)  # another forward's token count
+    tree_step.attach({"layer": meta}, step)
+    assert tree_step.of_metadata(meta) is None
+    with pytest.raises(RuntimeError, match="no attention layer ran tree attention"):
+        tree_step.check_attended(step)
+    chain = tree_step.TreeStep(3)  # chains need no tree attention
+    chain.requests[0] = tree_step.make_request(0, "x", 0, 10, 7, [5, 6], tree)
+    tree_step.check_attended(chain)
+    tree_step.check_attended(None)
 
 
 def test_make_request_keeps_scheduled_prefix_and_falls_back_to_chains():
