@@ -5,7 +5,7 @@
     treedraft prompts sharegpt --limit 3            # look at a prompt set
     treedraft demo                                  # the main job on the embedded default target
     treedraft eval --head none --prompts mtbench    # offline acceptance evaluator (reference decoder)
-    treedraft train --config scripts/recipes/tiny-cpu.yaml --max_steps=20   # train a head
+    treedraft train --config scripts/recipes/tiny-cpu.yaml --max-steps=20   # train a head
     treedraft bench                                 # vLLM: no-spec vs ngram vs chain vs trees
     treedraft load --url http://127.0.0.1:8000      # mixed request shapes against a vllm serve
     treedraft bundle runs/bundle --config R.yaml    # train on a GPU machine with nothing installed
@@ -221,11 +221,17 @@ def cmd_bench(args: argparse.Namespace) -> None:
           by_category=args.by_category, rounds=args.rounds, continuous=args.continuous)
 
 
+OVERRIDES_HELP = (
+    "Any TrainConfig key can be set as --key=value (--max-steps=200, "
+    "--head.draft-vocab-size=8192; see treedraft/training/config.py). Underscores work as "
+    "dashes (--max_steps=200), and Hugging Face TrainingArguments names of the same settings "
+    "as ours (--learning-rate for --lr, --num-train-epochs for --epochs, ...).")
+
+
 def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML/JSON recipe, e.g. scripts/recipes/smollm2-135m-eagle.yaml")
     p.add_argument("--resume", help="checkpoint dir, or a run's out_dir (its newest checkpoint)")
-    p.epilog = ("Any TrainConfig key can be set as --key=value (--max_steps=200, "
-                "--head.draft_vocab_size=8192); see treedraft/training/config.py")
+    p.epilog = OVERRIDES_HELP
 
 
 @command("train", _train_args)
@@ -310,6 +316,7 @@ def _bundle_args(p: argparse.ArgumentParser) -> None:
     from treedraft.scripts.gpu_bundle import add_arguments
 
     add_arguments(p)
+    p.epilog = OVERRIDES_HELP
 
 
 @command("bundle", _bundle_args)
@@ -323,17 +330,29 @@ def cmd_bundle(args: argparse.Namespace) -> None:
 cmd_bundle.accepts_overrides = True  # --key=value training overrides, as for train
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="treedraft", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (add_arguments, fn) in COMMANDS.items():
         p = sub.add_parser(name, help=(fn.__doc__ or "").splitlines()[0], description=fn.__doc__)
         add_arguments(p)
         p.set_defaults(_fn=fn)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The subcommand's arguments; what it does not know is `args.overrides` (--key=value
+    training overrides) where it accepts them, else an error."""
+    parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args._fn, "accepts_overrides", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.overrides = extra
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
     try:
         args._fn(args)
     except (ValueError, FileNotFoundError) as e:

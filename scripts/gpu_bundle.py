@@ -6,7 +6,7 @@ package index, no model hub and no treedraft; files reach it only as a working t
 64 MiB per transfer, and results come back as at most 8 files of at most 16 MiB. The bundle is
 everything else, cut into parts that each fit one transfer:
 
-    treedraft bundle runs/bundle --config scripts/recipes/smollm2-135m-eagle.yaml --max_steps=3000
+    treedraft bundle runs/bundle --config scripts/recipes/smollm2-135m-eagle.yaml --max-steps=3000
     # then, one transfer per part (the machine keeps its disk while it stays busy):
     python runs/bundle/part-1/stage.py                         # copies part 1 to /tmp/treedraft-bundle
     python runs/bundle/part-2/stage.py --run --out "$OUT"      # last part: install, train, send back
@@ -187,7 +187,7 @@ def stream_on_gpu(cfg, overrides: list[str]) -> None:
     asked = "cache_features" in parse_overrides(overrides)[0]
     if cfg.cache_features and not asked:
         print("[bundle] cache_features=false for the GPU run (the recipe's feature cache is for "
-              "CPUs; pass --cache_features=true to keep it)", flush=True)
+              "CPUs; pass --cache-features=true to keep it)", flush=True)
         cfg.cache_features = False
 
 

@@ -3,13 +3,13 @@ the head back. Standalone: runs on a machine where treedraft is not installed.
 
     python part-1/stage.py                           # copy this part to the stage folder
     python part-2/stage.py --run --out "$OUT"        # last part: check, install, train, write back
-    python part-2/stage.py --run --out "$OUT" -- --max_steps=100    # extra `treedraft train` args
+    python part-2/stage.py --run --out "$OUT" -- --max-steps=100    # extra `treedraft train` args
     python part-2/stage.py --run --out "$OUT" --limit-minutes 8     # train at most 8 minutes
-    python part-2/stage.py --run --resume --out "$OUT" -- --time_limit_minutes=4   # go on
+    python part-2/stage.py --run --resume --out "$OUT" -- --time-limit-minutes=4   # go on
 
 A run in pieces (a machine lent for calls of a few minutes each: one lost call then loses one
 piece, not the run): give the bundle's config `budget_minutes` (the run's training time over
-all its pieces: one schedule), train each piece with `-- --time_limit_minutes=M`, and continue
+all its pieces: one schedule), train each piece with `-- --time-limit-minutes=M`, and continue
 the next with `--resume` (the run's newest checkpoint, optimizer included, on this machine's
 disk; every piece sends back the head as it stands).
 

@@ -5,10 +5,14 @@
 * Bad input stops with one clear line and a non-zero exit: unknown model, bad tree spec,
   a JSONL line with neither `prompt` nor `messages`; `treedraft eval --engine vllm` refuses a
   bad tree, a lookup tree with a head and a bad batch size before any engine starts.
+* One CLI style (parse only): every flag of every subcommand is dashed; `train` and `bundle`
+  hand every TrainConfig key, dashed, underscored or as its Hugging Face name, to the config
+  as an override (none swallowed by a flag of their own), where the spellings set one field.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import subprocess
@@ -421,3 +425,49 @@ def test_machine_command_prints_flags_and_dtype():
     assert r.returncode == 0 and "avx2" in r.stdout and "amx_bf16" in r.stdout, r.stderr
     r = run("machine", "--dtype")
     assert r.returncode == 0 and r.stdout.strip() == default_dtype()
+
+
+def _subparsers() -> dict[str, argparse.ArgumentParser]:
+    from treedraft.scripts.cli import build_parser
+
+    parser = build_parser()
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def test_every_flag_of_every_command_is_dashed():
+    """One style, vLLM's (--max-model-len): no long option is spelled with underscores."""
+    bad = [f"treedraft {name} {opt}" for name, p in _subparsers().items()
+           for action in p._actions for opt in action.option_strings if "_" in opt]
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("command", ["train", "bundle"])
+def test_training_overrides_pass_through_in_every_spelling(command):
+    import dataclasses
+
+    from treedraft.scripts.cli import parse_args
+    from treedraft.training.config import HF_ALIASES, TrainConfig, load_config, parse_overrides
+
+    keys = [f.name for f in dataclasses.fields(TrainConfig)] + list(HF_ALIASES)
+    dashed = [f"--{k.replace('_', '-')}=1" for k in keys]
+    under = [f"--{k}=1" for k in keys]
+    out = ["runs/b"] if command == "bundle" else []
+    args = parse_args([command, *out, "--config", "r.yaml", *dashed, *under])
+    # none is taken for (or as an abbreviation of) one of the command's own flags
+    assert args.config == "r.yaml" and args.overrides == dashed + under
+    for d, u in zip(dashed, under, strict=True):
+        assert parse_overrides([d]) == parse_overrides([u]), (d, u)
+    for spelling in ("--max-steps=20", "--max_steps=20"):
+        assert load_config(None, parse_args([command, *out, spelling]).overrides).max_steps == 20
+    assert load_config(None, parse_args([command, *out, "--learning-rate=3e-4"]).overrides).lr \
+        == 3e-4
+
+
+def test_commands_without_overrides_refuse_unknown_flags(capsys):
+    from treedraft.scripts.cli import parse_args
+
+    assert parse_args(["eval", "--max-new-tokens", "5"]).max_new_tokens == 5
+    with pytest.raises(SystemExit):
+        parse_args(["eval", "--max-steps=3"])
+    assert "unrecognized arguments: --max-steps=3" in capsys.readouterr().err
+

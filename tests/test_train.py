@@ -7,7 +7,8 @@ replies instead of regenerating); the optional feature cache trains, is refused 
 other settings (naming them) or larger than the free disk (before the target runs), and its size
 estimate holds; bench_recipes' throughput summary; the target features and
 soft labels are the target's own (hidden_states layers, next-token log-probs, Medusa offsets);
-config files + --key=value overrides are typed; every bad input fails with a clear error before
+config files + --key=value overrides are typed, with dashed, underscored and Hugging Face
+spellings of a key setting the same field; every bad input fails with a clear error before
 the expensive part (unknown key, unknown head type/key, empty data, too-long prompts, resume
 with a different config).
 """
@@ -23,7 +24,7 @@ from safetensors.torch import load_file
 from treedraft.heads.common import load_head
 from treedraft.scripts.cli import main
 from treedraft.training import generate
-from treedraft.training.config import TrainConfig, load_config
+from treedraft.training.config import HF_ALIASES, TrainConfig, load_config
 from treedraft.training.features import TargetFeatures
 from treedraft.training.generate import Seq
 from treedraft.training.loop import train
@@ -489,6 +490,42 @@ def test_bad_config_errors(over, match):
         load_config(None, over)
 
 
+def test_dashed_underscored_and_hugging_face_keys_set_the_same_field(tmp_path):
+    dashed = load_config(None, ["--max-steps=7", "--cache-features=true", "--head.num-heads=3",
+                                "--gen-temperatures=[0,1]"])
+    under = load_config(None, ["--max_steps=7", "--cache_features=true", "--head.num_heads=3",
+                               "--gen_temperatures=[0,1]"])
+    assert dashed == under
+    assert (dashed.max_steps, dashed.cache_features, dashed.head) == (7, True, {"num_heads": 3})
+    hf = load_config(None, ["--learning-rate=3e-4", "--num_train_epochs=2",
+                            "--per-device-train-batch-size=8", "--gradient_accumulation_steps=2",
+                            "--max-grad-norm=0.5", "--output-dir=runs/x", "--save-steps=50",
+                            "--save-total-limit=3", "--torch-compile=true", "--warmup-steps=5"])
+    assert (hf.lr, hf.epochs, hf.batch_size, hf.grad_accum, hf.grad_clip, hf.out_dir,
+            hf.save_every, hf.keep_checkpoints, hf.compile, hf.warmup_steps) == (
+        3e-4, 2.0, 8, 2, 0.5, "runs/x", 50, 3, True, 5)
+    fields = {f for f in TrainConfig.__dataclass_fields__}
+    assert set(HF_ALIASES.values()) <= fields and not set(HF_ALIASES) & fields
+    # a recipe may use the Hugging Face names too; the command line still wins over the file
+    f = tmp_path / "hf.yaml"
+    f.write_text("learning_rate: 1.0e-3\nnum-train-epochs: 3\n")
+    assert (load_config(f).lr, load_config(f).epochs) == (1e-3, 3.0)
+    assert load_config(f, ["--lr=2e-4"]).lr == 2e-4
+    f.write_text("lr: 1.0e-3\nlearning_rate: 2.0e-3\n")
+    with pytest.raises(ValueError, match=r"'learning_rate' sets 'lr' a second time"):
+        load_config(f)
+
+
+@pytest.mark.parametrize("key", ["--max-stepz=3", "--max_stepz=3"])
+def test_unknown_key_names_it_and_the_closest_valid_key(key):
+    with pytest.raises(ValueError, match=r"unknown config keys \['max_stepz'\]; valid keys: "
+                                         r"target, .*Did you mean: max_stepz -> max_steps\?"):
+        load_config(None, [key])
+    with pytest.raises(ValueError, match=r"\['logging_steps'\].*TrainingArguments names "
+                                         r"accepted: learning_rate \(= lr\)"):
+        load_config(None, ["--logging-steps=10"])  # no such setting here: not an alias
+
+
 def record_engine(monkeypatch, reply=None, delay: float = 0.0) -> list[tuple[int, float]]:
     """Replace the reply engine by one that records (prompts, temperature) per call and answers
     each prompt with reply(temperature) (None: the real engine's replies) after `delay` s."""
@@ -645,7 +682,7 @@ def test_bad_inputs_fail_before_expensive_work(tiny, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"gave 8 prompts after prompt_offset=0, but eval_prompts=8 are held out"):
         train(cfg_of(tiny, tmp_path, eval_prompts=8))
     with pytest.raises(ValueError, match=r"8 of 8 prompts .* have >= max_seq_len=12 tokens "
-                                         r".*--max_seq_len=.*--long_prompts=skip"):
+                                         r".*--max-seq-len=.*--long-prompts=skip"):
         train(cfg_of(tiny, tmp_path, max_seq_len=12))
     with pytest.raises(ValueError, match="step_weights has 1 entries but there are 2 unroll"):
         train(cfg_of(tiny, tmp_path, step_weights="[1.0]"))

@@ -1,13 +1,16 @@
 """`TrainConfig`: the one source of truth of a training run.
 
-    cfg = load_config("scripts/recipes/smollm2-135m-eagle.yaml", ["--lr=3e-4", "--head.num_heads=3"])
+    cfg = load_config("scripts/recipes/smollm2-135m-eagle.yaml", ["--lr=3e-4", "--head.num-heads=3"])
 
 Features
 - Every knob of `treedraft train` is a field of `TrainConfig`, with its default and a comment.
 - `load_config(file, overrides)`: a YAML or JSON file, then `--key=value` overrides, each value
-  typed from the field's annotation (`--max_steps=none`, `--cache_features=true`,
-  `--head.target_layer_ids=[2,15,27]`). `--head.KEY=VALUE` sets one head-config override.
-  An unknown key is an error that lists the valid keys; dashes and underscores are equivalent.
+  typed from the field's annotation (`--max-steps=none`, `--cache-features=true`,
+  `--head.target-layer-ids=[2,15,27]`). `--head.KEY=VALUE` sets one head-config override.
+  Keys are written with dashes on the command line (as vLLM's flags); underscores are
+  equivalent, and Hugging Face `TrainingArguments` names of the same settings are accepted
+  for ours (`HF_ALIASES`: `--learning-rate` sets `lr`). An unknown key is an error that lists
+  the valid keys.
 - `validate()` checks values (head type, engine, dtype, ...) before any expensive work.
 - `diff(a, b)` names the keys that differ except `RESUMABLE_KEYS` (what --resume may change).
 - `save(path)` writes the config as JSON next to every checkpoint (`train_config.json`).
@@ -16,6 +19,7 @@ Features
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import types
 import typing
@@ -123,7 +127,7 @@ class TrainConfig:
     # The run's training time over ALL its invocations (each --resume adds its own; the
     # checkpoint keeps the sum): the schedule's clock (decay finished when it is spent) and the
     # run's end. Lets a time-boxed run go on in pieces (a GPU lent for calls of a few minutes:
-    # --time_limit_minutes per call, --resume the next) on ONE schedule; time_limit_minutes
+    # --time-limit-minutes per call, --resume the next) on ONE schedule; time_limit_minutes
     # alone restarts its clock at each invocation.
     budget_minutes: float | None = None
     progress: bool = True  # tqdm bars
@@ -149,7 +153,7 @@ class TrainConfig:
         temps = self.reply_temperatures()
         if not temps or any(t < 0 for t in temps):
             raise ValueError(f"gen_temperatures={self.gen_temperatures!r} must be a non-empty list "
-                             "of temperatures >= 0 (0 = greedy), e.g. --gen_temperatures=[0,1]"
+                             "of temperatures >= 0 (0 = greedy), e.g. --gen-temperatures=[0,1]"
                              if self.gen_temperatures is not None else
                              f"gen_temperature={self.gen_temperature} must be >= 0 (0 = greedy)")
         for key in ("time_limit_minutes", "budget_minutes"):
@@ -285,12 +289,53 @@ def from_dict(d: dict[str, Any]) -> TrainConfig:
     hints = _hints()
     unknown = sorted(set(d) - set(hints))
     if unknown:
-        raise ValueError(f"unknown config keys {unknown}; valid keys: {_valid_keys_msg()}")
+        close = [f"{k} -> {m[0]}" for k in unknown
+                 if (m := difflib.get_close_matches(k, hints, n=1))]
+        raise ValueError(
+            f"unknown config keys {unknown}; valid keys: {_valid_keys_msg()}"
+            + (f". Did you mean: {', '.join(close)}?" if close else "")
+            + ". Dashes work as underscores; Hugging Face TrainingArguments names accepted: "
+            + ", ".join(f"{hf} (= {ours})" for hf, ours in HF_ALIASES.items()))
     return TrainConfig(**{k: _coerce(k, hints[k], v) for k, v in d.items()})
 
 
+# Hugging Face `TrainingArguments` names of the same settings, accepted for ours (files and
+# overrides; checkpoints and recipes keep ours). Same-named ones need no entry (warmup_steps,
+# weight_decay, seed, max_steps). eval_steps has no alias: eval_every and measure_every both fit.
+HF_ALIASES = {
+    "learning_rate": "lr",
+    "num_train_epochs": "epochs",
+    "per_device_train_batch_size": "batch_size",
+    "gradient_accumulation_steps": "grad_accum",
+    "max_grad_norm": "grad_clip",
+    "output_dir": "out_dir",
+    "save_steps": "save_every",
+    "save_total_limit": "keep_checkpoints",
+    "torch_compile": "compile",
+}
+
+
+def canonical_key(key: str) -> str:
+    """Our name of a config key: dashes as underscores (`max-steps` -> `max_steps`), Hugging
+    Face names as ours (`learning-rate` -> `lr`)."""
+    key = key.replace("-", "_")
+    return HF_ALIASES.get(key, key)
+
+
+def canonical_keys(d: dict[str, Any], where: str) -> dict[str, Any]:
+    """`d` with every key spelled as ours; two spellings of one key in `d` are an error."""
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        name = canonical_key(str(key))
+        if name in out:
+            raise ValueError(f"{where}: {key!r} sets {name!r} a second time; keep one of them")
+        out[name] = value
+    return out
+
+
 def parse_overrides(args: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """['--lr=1e-3', '--head.num_heads=3'] -> ({'lr': '1e-3'}, {'num_heads': 3})."""
+    """['--learning-rate=1e-3', '--head.num-heads=3'] -> ({'lr': '1e-3'}, {'num_heads': 3})
+    (keys as `canonical_key` spells them)."""
     import yaml
 
     flat: dict[str, Any] = {}
@@ -299,7 +344,7 @@ def parse_overrides(args: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]
         if not arg.startswith("--") or "=" not in arg:
             raise ValueError(f"override {arg!r} must look like --key=value")
         key, value = arg[2:].split("=", 1)
-        key = key.replace("-", "_")
+        key = canonical_key(key)
         if key.startswith("head."):
             head[key[5:]] = yaml.safe_load(value)
         else:
@@ -313,7 +358,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (),
     overrides (`--head={}` replaces the head overrides, `--head.KEY=V` sets one); validated."""
     d: dict[str, Any] = dict(base or {})
     if path is not None:
-        d.update(read_file(path))
+        d.update(canonical_keys(read_file(path), str(path)))
     flat, head = parse_overrides(overrides)
     d.update(flat)
     if head:

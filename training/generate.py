@@ -57,8 +57,8 @@ def encode_prompts(tokenizer, rows: list[tuple[str, list[dict]]], cfg: TrainConf
         raise ValueError(
             f"{len(long)} of {len(out)} prompts of data={cfg.data!r} have >= max_seq_len="
             f"{cfg.max_seq_len} tokens (longest {max(long)}), leaving no room for a reply; raise "
-            f"max_seq_len (e.g. --max_seq_len={max(long) + cfg.gen_max_new_tokens}) or drop "
-            "them with --long_prompts=skip"
+            f"max_seq_len (e.g. --max-seq-len={max(long) + cfg.gen_max_new_tokens}) or drop "
+            "them with --long-prompts=skip"
         )
     if long:
         logger.warning("skipping %d of %d prompts with >= max_seq_len=%d tokens",
