@@ -320,9 +320,6 @@ def _check_target(spec, model_config) -> None:
 
 def _finish(engine_args, sc: dict, spec, head: dict) -> None:
     """The rewritten config: vLLM's custom_class proposer with the tree's node budget."""
-    from . import metrics
-
-    metrics.new_stats_path()  # accepted-by-source counts, worker -> this frontend
     sc.update(method="custom_class", model=PROPOSER, num_speculative_tokens=spec.max_nodes)
     for attr in FLAGS.values():  # merged into sc above
         setattr(engine_args, attr, None)

@@ -15,19 +15,21 @@ for engines whose own speculative config is treedraft's proposer (`is_treedraft`
 One counter needs data only the worker has: which source proposed each accepted node of a tree
 (`heads.lookup`: head, lookup, or both). `vllm:treedraft_accepted_tokens_by_source{source}`
 (tree mode) and the gauge `vllm:treedraft_live_draft_sessions` (requests the proposer holds
-draft state for; a leak check after a load has drained) are fed through a small JSON file: the frontend names it in the environment
-(`STATS_ENV`, inherited by the engine-core and worker processes it starts; not in vLLM's
-config, whose hash keys the compile cache), the worker (`SourceStats`, TP rank 0) rewrites it
-atomically after each verified step, and the frontend reads it when it observes the step's
-stats (so it may trail by a step).
+draft state for; a leak check after a load has drained) are fed through a small JSON file named
+after the engine's own `VllmConfig.instance_id` (`stats_path`: unique per engine, carried to the
+engine-core and worker processes with the config, and not part of the config hash that keys
+vLLM's compile cache). The worker (`SourceStats`, TP rank 0) rewrites it atomically after each
+verified step and removes it at exit; the frontend's `PrometheusStatLogger` of the same engine
+reads it when it observes the step's stats (so it may trail by a step). Nothing goes through
+the process environment, so engines in one process never share or re-point each other's file.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -38,17 +40,11 @@ from treedraft.heads.lookup import SOURCES
 
 from .patching import Patch
 
-STATS_ENV = "TREEDRAFT_SOURCE_STATS"  # path of the accepted-by-source counts file
 
-
-def new_stats_path() -> str:
-    """A fresh counts file for the engine this frontend is configuring, named in the
-    environment its engine-core and worker processes inherit (an inherited name from a parent
-    process is replaced: every engine counts on its own)."""
-    folder = tempfile.mkdtemp(prefix="treedraft-stats-")
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    os.environ[STATS_ENV] = str(Path(folder) / "accepted_by_source.json")
-    return os.environ[STATS_ENV]
+def stats_path(vllm_config) -> str:
+    """The accepted-by-source counts file of the engine `vllm_config` configures."""
+    return str(Path(tempfile.gettempdir())
+               / f"treedraft-stats-{os.getuid()}-{vllm_config.instance_id}.json")
 
 
 def read_source_counts(path: str | None) -> dict[str, int]:
@@ -71,6 +67,8 @@ class SourceStats:
     def __init__(self, path: str | None) -> None:
         self.path = path
         self.counts = {**dict.fromkeys(SOURCES, 0), LIVE: 0}
+        if path:
+            atexit.register(_remove, path)
 
     def set_live(self, n: int) -> None:
         if n != self.counts[LIVE]:
@@ -90,6 +88,11 @@ class SourceStats:
         tmp = f"{self.path}.{os.getpid()}.tmp"
         Path(tmp).write_text(json.dumps(self.counts))
         os.replace(tmp, self.path)
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
 
 
 def exact_counts(total: int, more_than: list[int]) -> list[int]:
@@ -114,6 +117,7 @@ class TreedraftSpecDecodingProm(SpecDecodingProm):
         super().__init__(speculative_config, labelnames, per_engine_labelvalues, is_diffusion)
         self.treedraft = (self.spec_decoding_enabled and not is_diffusion
                           and is_treedraft(speculative_config))
+        self.source_path: str | None = None  # stats_path(vllm_config): _wrap_prometheus_init
         if not self.treedraft:
             return
         n = speculative_config.num_speculative_tokens
@@ -134,7 +138,6 @@ class TreedraftSpecDecodingProm(SpecDecodingProm):
             labelnames=[*labelnames, "source"])
         self.by_source = {idx: {src: by_source.labels(*lv, src) for src in SOURCES}
                           for idx, lv in per_engine_labelvalues.items()}
-        self.source_path = os.environ.get(STATS_ENV)
         self.source_seen = dict.fromkeys(SOURCES, 0)
         live = self._gauge_cls(
             name="vllm:treedraft_live_draft_sessions",
@@ -161,6 +164,16 @@ class TreedraftSpecDecodingProm(SpecDecodingProm):
             if new > 0:
                 c.inc(new)
                 self.source_seen[src] += new
+
+
+def _wrap_prometheus_init(original):
+    def __init__(self, vllm_config, *args, **kwargs):
+        original(self, vllm_config, *args, **kwargs)
+        prom = getattr(self, "spec_decoding_prom", None)
+        if isinstance(prom, TreedraftSpecDecodingProm) and prom.treedraft:
+            prom.source_path = stats_path(vllm_config)  # this engine's worker writes there
+
+    return __init__
 
 
 def _wrap_log(original):
@@ -190,6 +203,8 @@ FRONTEND_PATCHES = [
     Patch("vllm.v1.metrics.loggers:PrometheusStatLogger._spec_decoding_cls",
           lambda original: TreedraftSpecDecodingProm,
           "/metrics gains treedraft accepted-depth and tree-size counters"),
+    Patch("vllm.v1.metrics.loggers:PrometheusStatLogger.__init__", _wrap_prometheus_init,
+          "treedraft's counters read the accepted-by-source file of their own engine"),
     Patch("vllm.v1.spec_decode.metrics:SpecDecodingLogging.log", _wrap_log,
           "spec-decode log line gains the accepted-depth histogram and mean tree size"),
 ]

@@ -41,7 +41,6 @@ nothing is drafted (the head still reads the step's hidden states, so it keeps i
 from __future__ import annotations
 
 import dataclasses
-import os
 import statistics
 import time
 from collections import defaultdict, deque
@@ -420,9 +419,9 @@ class TreeDraftProposer:
         self.sources: dict[str, torch.Tensor] = {}  # per request, HEAD/LOOKUP bits of its tree
         self.source_stats = None  # accepted tokens by source -> the frontend (tree mode)
         if self.tree_mode and _tp_rank0():
-            from .metrics import STATS_ENV, SourceStats
+            from .metrics import SourceStats, stats_path
 
-            self.source_stats = SourceStats(os.environ.get(STATS_ENV))
+            self.source_stats = SourceStats(stats_path(vllm_config))
         self.last_draft_probs: torch.Tensor | None = None  # [num_reqs, K, V] of the last step
         from . import runner
 

@@ -693,6 +693,31 @@ def test_tensor_parallel_refuses_auto_and_trees_and_keeps_chains(spec, message):
     assert not isinstance(e.value, NotImplementedError)
 
 
+def test_each_engines_metrics_read_their_own_workers_counts(tmp_path):
+    """The accepted-by-source counts travel worker -> frontend through a file named after the
+    engine's own config, not the process environment: two engines configured in one process
+    (the second before the first's metrics exist) each read their own worker's file."""
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    from treedraft.plugin.metrics import SourceStats, read_source_counts, stats_path
+
+    spec = {"model": "smollm2-135m-eagle", "tree": "dynamic:10,3,3"}
+    first, second = _engine_config(spec), _engine_config(spec)
+    assert stats_path(first) != stats_path(second)
+    assert first.compute_hash() == second.compute_hash()  # vLLM's compile cache still hits
+    paths = []
+    for cfg in (first, second):
+        prom = PrometheusStatLogger(cfg).spec_decoding_prom
+        assert prom.treedraft and prom.source_path == stats_path(cfg)
+        paths.append(prom.source_path)
+    worker = SourceStats(stats_path(first))  # the first engine's worker counts
+    worker.add({"head": 5, "lookup": 1, "both": 0})
+    assert read_source_counts(paths[0])["head"] == 5 and read_source_counts(paths[1]) == {}
+    stock = PrometheusStatLogger(_engine_config({"method": "ngram", "num_speculative_tokens": 2,
+                                                 "prompt_lookup_max": 3}))
+    assert not stock.spec_decoding_prom.treedraft and stock.spec_decoding_prom.source_path is None
+
+
 def test_auto_sampled_chains_stay_within_what_the_head_drafts():
     """Under auto a sampled request draws its n head nodes as one chain from q: never deeper
     than the step's budget, the head's tree, or a Medusa head's heads (one per depth: deeper,
