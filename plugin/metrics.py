@@ -8,8 +8,8 @@ new data crosses processes:
 - `vllm:treedraft_accepted_depth{depth=d}`: verify steps whose accepted path had d drafts;
 - `vllm:treedraft_tree_size{nodes=n}`: verify steps with an n-node tree.
 
-Mean acceptance length is vLLM's (1 + accepted / drafts); the log line gains the depth
-histogram and the mean tree size (any spec-decoding engine). The /metrics counters exist only
+Mean acceptance length is vLLM's (1 + accepted / drafts); the log line of treedraft's engines
+gains the depth histogram and the mean tree size. The /metrics counters exist only
 for engines whose own speculative config is treedraft's proposer (`is_treedraft`).
 
 One counter needs data only the worker has: which source proposed each accepted node of a tree
@@ -176,9 +176,18 @@ def _wrap_prometheus_init(original):
     return __init__
 
 
+def _wrap_logging_init(original):
+    def __init__(self, vllm_config, *args, **kwargs):
+        original(self, vllm_config, *args, **kwargs)
+        # the log line gains treedraft's histogram in treedraft's engines only
+        self.spec_decoding_logging.treedraft = is_treedraft(vllm_config.speculative_config)
+
+    return __init__
+
+
 def _wrap_log(original):
     def log(self, log_fn=None):
-        if self.num_drafts:  # any spec-decoding engine: the histogram is vLLM's own data
+        if getattr(self, "treedraft", False) and self.num_drafts:
             import numpy as np
 
             drafts = int(np.sum(self.num_drafts))
@@ -205,6 +214,8 @@ FRONTEND_PATCHES = [
           "/metrics gains treedraft accepted-depth and tree-size counters"),
     Patch("vllm.v1.metrics.loggers:PrometheusStatLogger.__init__", _wrap_prometheus_init,
           "treedraft's counters read the accepted-by-source file of their own engine"),
+    Patch("vllm.v1.metrics.loggers:LoggingStatLogger.__init__", _wrap_logging_init,
+          "marks the spec-decode log of engines whose drafter is treedraft's"),
     Patch("vllm.v1.spec_decode.metrics:SpecDecodingLogging.log", _wrap_log,
           "spec-decode log line gains the accepted-depth histogram and mean tree size"),
 ]

@@ -163,28 +163,38 @@ def _wrap_build_attention_metadata(original):
     return _build_attention_metadata
 
 
+def _sample_ours(runner, original, logits, spec_decode_metadata):
+    """A treedraft engine's sampling: vLLM's for chains, tree verification in tree mode."""
+    if spec_decode_metadata is None:
+        return original(runner, logits, spec_decode_metadata)
+    if not any(spec_decode_metadata.num_draft_tokens):
+        # Every draft list was cut to nothing (e.g. at max_tokens): plain sampling of the
+        # bonus rows. vLLM's rejection sampler crashes on zero draft rows with top-k
+        # (`apply_top_k_only` takes max() of an empty tensor).
+        return original(runner, logits, None)
+    if not runner.drafter.tree_mode:
+        return original(runner, logits, spec_decode_metadata)
+    from .kv import compact_accepted
+    from .sampler import verify_trees
+
+    step = tree_step.of_runner(runner)
+    tree_step.check_attended(step)
+    out = verify_trees(runner, logits, spec_decode_metadata, step)
+    if step is not None:
+        t = time.perf_counter()
+        compact_accepted(runner, step)
+        step.compaction_seconds += time.perf_counter() - t
+    return out
+
+
 def _wrap_sample(original):
     def _sample(self, logits, spec_decode_metadata):
-        if not _ours(self) or spec_decode_metadata is None:
+        if not _ours(self):
             return original(self, logits, spec_decode_metadata)
-        if not any(spec_decode_metadata.num_draft_tokens):
-            # Every draft list was cut to nothing (e.g. at max_tokens): plain sampling of the
-            # bonus rows. vLLM's rejection sampler crashes on zero draft rows with top-k
-            # (`apply_top_k_only` takes max() of an empty tensor).
-            return original(self, logits, None)
-        if not self.drafter.tree_mode:
-            return original(self, logits, spec_decode_metadata)
-        from .kv import compact_accepted
-        from .sampler import verify_trees
+        from .sampler import treedraft_sampling
 
-        step = tree_step.of_runner(self)
-        tree_step.check_attended(step)
-        out = verify_trees(self, logits, spec_decode_metadata, step)
-        if step is not None:
-            t = time.perf_counter()
-            compact_accepted(self, step)
-            step.compaction_seconds += time.perf_counter() - t
-        return out
+        with treedraft_sampling():  # the CPU sampler fixes apply to this engine only
+            return _sample_ours(self, original, logits, spec_decode_metadata)
 
     return _sample
 

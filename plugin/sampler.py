@@ -7,13 +7,43 @@ temperature, top-k and top-p of every speculative token are garbage and sampled 
 not exact (measured: acceptance 68/1728 with draft == target). `expand_kernel_impl` is the
 correct kernel in torch; `CPU_PATCHES` installs it before the CPU platform registers its kernel
 overrides (plugins load first in the worker).
+
+Both CPU patches replace module-level functions that every engine of the process calls, so each
+replacement acts only inside `treedraft_sampling()`, which the runner patch (plugin/runner.py
+`_sample`) opens around the sampling of engines whose drafter is treedraft's. Any other engine
+in a process where treedraft is installed runs vLLM's own functions, exactly as without it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+
 import torch
 
 from .patching import Patch
+
+_SAMPLING = contextvars.ContextVar("treedraft_sampling", default=False)
+
+
+@contextlib.contextmanager
+def treedraft_sampling() -> Iterator[None]:
+    """The sampling of a treedraft engine's step: the CPU replacements below apply in it."""
+    token = _SAMPLING.set(True)
+    try:
+        yield
+    finally:
+        _SAMPLING.reset(token)
+
+
+def _gated(ours: Callable, original: Callable) -> Callable:
+    """`ours` inside `treedraft_sampling()`, vLLM's `original` everywhere else."""
+    def dispatch(*args, **kwargs):
+        return (ours if _SAMPLING.get() else original)(*args, **kwargs)
+
+    dispatch.__doc__ = ours.__doc__
+    return dispatch
 
 EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
 
@@ -30,12 +60,13 @@ def expand_kernel_impl(output, input_val, cu_num_tokens, replace_from, replace_t
 
 def _install_expand(original):
     # The dispatcher reads cpu_triton_utils._expand_kernel_impl when the platform registers its
-    # overrides; if that already happened in this process, re-register the fixed kernel too.
+    # overrides; if that already happened in this process, re-register the gated kernel too.
     from vllm.triton_utils import dispatcher
 
+    kernel = _gated(expand_kernel_impl, original)
     if EXPAND_KERNEL in dispatcher._registry:
-        dispatcher.register_kernels({EXPAND_KERNEL: expand_kernel_impl})
-    return expand_kernel_impl
+        dispatcher.register_kernels({EXPAND_KERNEL: kernel})
+    return kernel
 
 
 def sample_recovered_tokens_impl(max_spec_len, num_draft_tokens, cu_num_draft_tokens,
@@ -72,7 +103,7 @@ CPU_PATCHES = [
     ),
     Patch(
         "vllm.v1.sample.rejection_sampler:sample_recovered_tokens",
-        lambda original: sample_recovered_tokens_impl,
+        lambda original: _gated(sample_recovered_tokens_impl, original),
         "recovered tokens by inverse CDF (vLLM's exponential noise over [batch, vocab] costs "
         "~1.5 ms per request per sampled step on CPU)",
     ),

@@ -60,8 +60,11 @@ def test_stock_expand_kernel_never_writes_its_output_and_ours_does():
     assert top_k.tolist() == [5, 5, 9, 9, 9, 3]
 
 
-def test_vllm_expand_batch_to_tokens_uses_the_fix():
+def test_vllm_expand_batch_to_tokens_uses_the_fix_in_treedraft_engines_only():
+    """The patched kernel is vLLM's own outside a treedraft engine's sampling (another engine
+    in the process behaves as without treedraft) and the fix inside it."""
     from vllm.platforms.cpu import CpuPlatform
+    from vllm.utils import cpu_triton_utils
     from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
 
     from treedraft.plugin import patching, sampler
@@ -69,7 +72,12 @@ def test_vllm_expand_batch_to_tokens_uses_the_fix():
     patching.apply(sampler.CPU_PATCHES)
     CpuPlatform.register_triton_kernel_overrides()
     cu = torch.tensor([2, 5, 6], dtype=torch.int32)
-    got = expand_batch_to_tokens(torch.tensor([0.8, 1.3, 0.0]), cu, 6, 0, 1)
+    temps = torch.tensor([0.8, 1.3, 0.0])
+    out = torch.full((6,), -7.0)
+    cpu_triton_utils._expand_kernel_impl(out, temps, cu, 0, 1)  # stock: writes nothing
+    assert torch.equal(out, torch.full((6,), -7.0))
+    with sampler.treedraft_sampling():
+        got = expand_batch_to_tokens(temps, cu, 6, 0, 1)
     assert got.tolist() == pytest.approx([0.8, 0.8, 1.3, 1.3, 1.3, 1.0])
 
 
@@ -86,7 +94,6 @@ def test_vllm_rejection_sampler_keeps_the_target_distribution_with_our_recovered
 
     patching.apply(sampler.CPU_PATCHES)
     CpuPlatform.register_triton_kernel_overrides()
-    assert rejection_sampler.sample_recovered_tokens is sampler.sample_recovered_tokens_impl
     B, V = 20000, 40
     g = torch.Generator().manual_seed(0)
     p = torch.softmax(torch.randn(V, generator=g) * 1.5, -1)
@@ -103,9 +110,10 @@ def test_vllm_rejection_sampler_keeps_the_target_distribution_with_our_recovered
     def run(generators):
         meta = SimpleNamespace(all_greedy=False, all_random=True, temperature=torch.ones(B),
                                generators=generators)
-        return rejection_sampler.rejection_sample(
-            draft, [1] * B, 1, torch.arange(1, B + 1, dtype=torch.int32), draft_probs,
-            p.log().expand(B, V).contiguous(), torch.zeros(B, 1, dtype=torch.int32), meta)
+        with sampler.treedraft_sampling():  # a treedraft engine's sampling: ours apply
+            return rejection_sampler.rejection_sample(
+                draft, [1] * B, 1, torch.arange(1, B + 1, dtype=torch.int32), draft_probs,
+                p.log().expand(B, V).contiguous(), torch.zeros(B, 1, dtype=torch.int32), meta)
 
     first = run({})[:, 0].long()
     counts = torch.bincount(first, minlength=V).double()
@@ -119,8 +127,7 @@ def test_vllm_rejection_sampler_keeps_the_target_distribution_with_our_recovered
 def test_vllm_rejection_sampler_with_our_recovered_tokens_takes_a_step_without_drafts():
     """A sampled step in which no request has a draft (vLLM's ngram found no match for any):
     vLLM still calls `sample_recovered_tokens` with zero positions; every request gets its
-    bonus token. The plugin's replacement crashed the engine there (session 26: `ngram` at
-    T=1 in `treedraft bench`)."""
+    bonus token (an empty draft batch must not crash the replacement)."""
     from vllm.platforms.cpu import CpuPlatform
     from vllm.v1.sample import rejection_sampler
 
@@ -132,9 +139,10 @@ def test_vllm_rejection_sampler_with_our_recovered_tokens_takes_a_step_without_d
     meta = SimpleNamespace(all_greedy=False, all_random=True, temperature=torch.ones(B),
                            generators={})
     bonus = torch.tensor([[5], [6], [7]], dtype=torch.int32)
-    out = rejection_sampler.rejection_sample(
-        torch.empty(0, dtype=torch.int32), [0] * B, 3, torch.zeros(B, dtype=torch.int32), None,
-        torch.empty(0, V), bonus, meta)
+    with sampler.treedraft_sampling():
+        out = rejection_sampler.rejection_sample(
+            torch.empty(0, dtype=torch.int32), [0] * B, 3, torch.zeros(B, dtype=torch.int32),
+            None, torch.empty(0, V), bonus, meta)
     assert out[:, 0].tolist() == [5, 6, 7]
 
 
@@ -716,6 +724,26 @@ def test_each_engines_metrics_read_their_own_workers_counts(tmp_path):
     stock = PrometheusStatLogger(_engine_config({"method": "ngram", "num_speculative_tokens": 2,
                                                  "prompt_lookup_max": 3}))
     assert not stock.spec_decoding_prom.treedraft and stock.spec_decoding_prom.source_path is None
+
+
+def test_spec_decode_log_line_gains_the_histogram_in_treedraft_engines_only():
+    """Installing treedraft leaves other engines' spec-decode log as vLLM writes it."""
+    from vllm.v1.metrics.loggers import LoggingStatLogger
+    from vllm.v1.spec_decode.metrics import SpecDecodingStats
+
+    def lines(spec):
+        logging = LoggingStatLogger(_engine_config(spec)).spec_decoding_logging
+        stats = SpecDecodingStats.new(3)
+        stats.observe_draft(3, 2)
+        logging.observe(stats)
+        got = []
+        logging.log(lambda fmt, *args: got.append(fmt % args))
+        return got
+
+    ours = lines({"model": "smollm2-135m-eagle", "tree": "dynamic:10,3,3"})
+    assert any(line.startswith("treedraft: mean tree size 3.0") for line in ours), ours
+    stock = lines({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    assert stock and not any("treedraft" in line for line in stock), stock
 
 
 def test_auto_sampled_chains_stay_within_what_the_head_drafts():
