@@ -27,7 +27,8 @@ one tree times the g query heads of the KV head (BLOCK_M = BLOCK_Q * next_pow2(g
 major), so GQA reads each K/V tile once per group; trees longer than BLOCK_Q nodes span
 several tiles, and a tile's stage 2 stops at its last node (nodes are topological: ancestors
 come first). fp32 accumulation; DOT_F32 upcasts the dot operands (the interpreter's bf16
-tl.dot is wrong; it is on for CPU tensors only); fp32 inputs use IEEE dots.
+tl.dot is wrong; it is on for CPU tensors only). fp32 inputs get triton's default tf32 dots on
+the GPU, as vLLM's own Triton attention does.
 
 Split-KV. With few trees (batch 1) the grid is tiles x Hkv programs, far fewer than the SMs.
 `num_segments` > 1 cuts each tree's prefix into that many BLOCK_N-aligned segments, one
@@ -297,7 +298,7 @@ def tree_attention_triton(query: torch.Tensor, key: torch.Tensor, value: torch.T
     on_gpu = query.device.type == "cuda"
     fwd, reduce = _kernels(interpret=not on_gpu)
     if num_segments is None:
-        num_segments = choose_segments(meta, Hkv, g, num_sms or _num_sms(query.device))
+        num_segments = choose_segments(meta, Hkv, g, num_sms or sm_count(query.device))
     gp = triton.next_power_of_2(g)
     block_m = max(16, meta.q_tile * gp)
     block_d = max(16, triton.next_power_of_2(D))
@@ -310,7 +311,6 @@ def tree_attention_triton(query: torch.Tensor, key: torch.Tensor, value: torch.T
         sm = torch.empty_like(mx)
     else:
         acc = mx = sm = out  # unused
-    fp32 = query.dtype == torch.float32
     grid = (meta.tiles.shape[0], Hkv, num_segments)
     fwd[grid](
         query, key, value, k_cache, v_cache, block_table, meta.trees, meta.tiles, meta.anc,
@@ -320,8 +320,7 @@ def tree_attention_triton(query: torch.Tensor, key: torch.Tensor, value: torch.T
         scale * _LOG2E, num_segments,
         G=g, GP=gp, BLOCK_Q=meta.q_tile, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HEAD_D=D, PAGE=k_cache.shape[2], NUM_HQ=Hq, SPLIT=split, DOT_F32=not on_gpu,
-        DOT_PREC="ieee" if fp32 else "tf32",
-        num_warps=4 if block_m <= 64 else 8, num_stages=3 if D <= 128 else 2,
+        num_warps=4 if block_m <= 64 else 8, num_stages=3 if D * query.element_size() <= 256 else 2,
     )
     if split:
         reduce[(R, Hq)](
@@ -339,7 +338,8 @@ IMPLS: dict[str, Callable[..., torch.Tensor]] = {
 
 
 @functools.cache
-def _num_sms(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (1 elsewhere: no split-KV by default)."""
     if device.type != "cuda":
         return 1
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -375,7 +375,7 @@ def _tree_attn_fwd(
     G: tl.constexpr, GP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_D: tl.constexpr,
     PAGE: tl.constexpr, NUM_HQ: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_F32: tl.constexpr, DOT_PREC: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -422,13 +422,13 @@ def _tree_attn_fwd(
         if DOT_F32:
             kt = kt.to(tl.float32)
             v = v.to(tl.float32)
-        qk = tl.dot(q, kt, input_precision=DOT_PREC) * scale_log2  # [BLOCK_M, BLOCK_N]
+        qk = tl.dot(q, kt) * scale_log2  # [BLOCK_M, BLOCK_N]
         qk = tl.where(ok[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(qk, 1, tl.standard._elementwise_max))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
     # stage 2 (last segment): the tree's nodes up to the tile's last, under the ancestor bits
@@ -447,13 +447,13 @@ def _tree_attn_fwd(
             if DOT_F32:
                 kt = kt.to(tl.float32)
                 v = v.to(tl.float32)
-            qk = tl.dot(q, kt, input_precision=DOT_PREC) * scale_log2
+            qk = tl.dot(q, kt) * scale_log2
             qk = tl.where(seen, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.reduce(qk, 1, tl.standard._elementwise_max))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
 
     if SPLIT:  # unnormalised partials of this segment, indexed by (tree row, head, segment)

@@ -13,6 +13,8 @@ Proves, on steps of several trees (chain, star, random, one longer than a q-tile
   (attention_cpu.TreeBatch + masked SDPA) on the same step;
 - kv_views equal FlashAttention's own split of the cache and the CPU layout's definition;
   copy_slots equals copying slot by slot; TreeMeta's bits equal tree_buffers' ancestor mask;
+- the module imports without vLLM (and triton only on first launch); scripts/gpu_check.py
+  --cpu-smoke runs its whole matrix/timing path and passes.
 
 Triton's interpreter: triton decides interpreted vs compiled when `triton.jit` runs, and its
 own @jit helpers (tl.max, tl.zeros, ...) were decorated when triton was first imported. The
@@ -23,8 +25,12 @@ it in this pytest process whether or not something (vLLM) imported triton first.
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,6 +41,7 @@ from treedraft.plugin import tree_kernel as tk
 
 pytest.importorskip("triton")
 
+ROOT = Path(__file__).resolve().parents[1]
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # output rounding
 
 
@@ -329,3 +336,26 @@ def test_twin_matches_cpu_backend_path():
                       s.scale, twin, impl="torch")
     torch.testing.assert_close(twin, cpu, atol=1e-5, rtol=0)
     assert batch.out_rows.numel() == s.meta.num_rows
+
+
+# ----------------------------------------------------------------------------- GPU script
+
+
+def test_kernel_module_needs_no_vllm():
+    """A GPU box without vLLM imports the kernel through the package (and gpu_check by path)."""
+    probe = ("import sys; sys.modules['vllm'] = None; "
+             "import treedraft.plugin.tree_kernel as tk; assert 'triton' not in sys.modules; "
+             "assert not any(m.startswith('vllm.') for m in sys.modules)")
+    subprocess.run([sys.executable, "-c", probe], check=True, timeout=120)
+
+
+def test_gpu_check_cpu_smoke(tmp_path):
+    """The GPU check's matrix and timing code, on CPU under the interpreter, tiny shapes."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--cpu-smoke",
+           "--deadline", "40", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    cases = report["correctness"]
+    assert cases and all(c["ok"] for c in cases), [c for c in cases if not c["ok"]]
+    assert report["timing"] and (tmp_path / "gpu_check.md").exists()

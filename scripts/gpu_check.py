@@ -1,0 +1,347 @@
+"""GPU check of plugin/tree_kernel.py: correctness at real model shapes, then timing. torch,
+triton and numpy only (no vLLM, no transformers); the kernel file is loaded by its path.
+
+On a GPU machine (one run < 8 min; internal deadline 420 s):
+    python scripts/gpu_check.py --out /tmp/gpu_check
+CPU dry run (the same code under Triton's interpreter, tiny shapes, about a minute):
+    python scripts/gpu_check.py --cpu-smoke --out /tmp/gpu_check_cpu
+
+Writes DIR/gpu_check.json and DIR/gpu_check.md; exits 1 if any case failed.
+- correctness: a shuffled matrix (bf16/fp16/fp32; Hq/Hkv/D of Llama-3.1-8B, Qwen2.5-7B,
+  Qwen3-8B/14B, SmolLM2-135M and a 64/8/128 model; block sizes 16/32/64; LBNHC and LBHNC
+  caches; prefixes up to 16k; 1-8 trees of 1-64 nodes; split-KV auto or forced) against the
+  torch twin in fp32, with NaN in every cache slot the kernel must not read and the bytes of
+  the rows outside the trees compared; it stops at the deadline. fp32 runs tf32 dots.
+- views: kv_views == FlashAttention's split of the cache, copy_slots == slot-by-slot copies.
+- timing: (B, P, n) as in the design notes, Llama-3.1-8B heads, bf16, block 16, LBNHC:
+  kernel ms (CUDA graph replay, and per Python call), K/V bytes read, GB/s against the card's
+  peak, the ratio to the dense-attention memory bound, torch SDPA on contiguous dense K/V of
+  the same size, and split-KV on vs off at batch 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+KERNEL_PATH = Path(__file__).resolve().parents[1] / "plugin" / "tree_kernel.py"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+TOL = {"bf16": 2e-2, "fp16": 4e-3, "fp32": 5e-3}  # output rounding (fp32: tf32 dots on GPU)
+CPU_TOL = {"bf16": 2e-2, "fp16": 4e-3, "fp32": 2e-5}
+HEADS = {  # name: (Hq, Hkv, D)
+    "llama3.1-8b": (32, 8, 128), "qwen2.5-7b": (28, 4, 128), "qwen3-8b": (32, 8, 128),
+    "qwen3-14b": (40, 8, 128), "smollm2-135m": (9, 3, 64), "64/8/128": (64, 8, 128),
+}
+SMOKE_HEADS = {"4/2/16": (4, 2, 16), "7/1/16": (7, 1, 16), "9/3/32": (9, 3, 32)}
+TIMING = [(1, 1024, 16), (1, 8192, 64), (8, 4096, 16), (8, 4096, 64), (32, 2048, 32),
+          (32, 8192, 16), (64, 4096, 8)]
+SMOKE_TIMING = [(1, 96, 4), (2, 64, 8)]
+PEAK_GBPS = [("H200", 4800.0), ("H100 NVL", 3900.0), ("H100 PCIe", 2000.0), ("H100", 3350.0),
+             ("A100-SXM4-80GB", 2039.0), ("A100", 1555.0), ("L40S", 864.0)]
+
+
+def load_kernel():
+    """plugin/tree_kernel.py as a module, without the treedraft package (or vLLM)."""
+    spec = importlib.util.spec_from_file_location("treedraft_tree_kernel", KERNEL_PATH)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(mod)
+    return mod
+
+
+tk = load_kernel()
+
+
+# ----------------------------------------------------------------------------- steps
+
+
+@dataclass
+class Spec:
+    dtype: str
+    heads: str
+    hqkd: tuple  # (Hq, Hkv, D)
+    bs: int
+    layout: str  # LBNHC | LBHNC
+    trees: list  # (P, n, shape)
+    nseg: int | None  # None: choose_segments
+    seed: int
+
+
+def parents_of(shape: str, n: int, rng: random.Random) -> list[int]:
+    if shape == "chain":
+        return [-1] + list(range(n - 1))
+    if shape == "star":
+        return [-1] + [0] * (n - 1)
+    return [-1] + [rng.randrange(i) for i in range(1, n)]
+
+
+def build_step(spec: Spec, device: torch.device) -> dict:
+    """Query/key/value as views of one qkv tensor, a NaN-filled paged cache with each tree's
+    prefix written through a shuffled block table, filler rows around the trees."""
+    rng = random.Random(spec.seed)
+    gen = torch.Generator(device=device).manual_seed(spec.seed)
+    dtype = DTYPES[spec.dtype]
+    hq, hkv, d = spec.hqkd
+    bs = spec.bs
+    need = [-(-(P + n) // bs) for P, n, _ in spec.trees]
+    nb = 1 + sum(need) + 2  # block 0 = table padding, 2 unused: all NaN
+    perm = (torch.randperm(nb - 1) + 1).tolist()
+    table = torch.zeros(len(spec.trees) + 1, max(need) + 1, dtype=torch.int32)
+    placed, qs = [], 2
+    for t, (P, n, shape) in enumerate(spec.trees):
+        table[t + 1, : need[t]] = torch.tensor(perm[: need[t]], dtype=torch.int32)
+        perm = perm[need[t]:]
+        placed.append((qs, P, parents_of(shape, n, rng), t + 1))
+        qs += n + rng.randrange(3)
+    T = qs + 1
+    qkv = torch.randn(T, (hq + 2 * hkv) * d, generator=gen, device=device).to(dtype)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], 1)
+    if spec.layout == "LBNHC":
+        kv = torch.full((nb, bs, hkv, 2 * d), float("nan"), dtype=dtype, device=device)
+        kv = kv.transpose(1, 2)
+    else:
+        kv = torch.full((nb, hkv, bs, 2 * d), float("nan"), dtype=dtype, device=device)
+    kc, vc = tk.kv_views(kv, d, "flash")
+    table = table.to(device)
+    for _, P, _, r in placed:
+        pos = torch.arange(P, device=device)
+        blk = table[r].long()[pos // bs]
+        kc[blk, :, pos % bs] = torch.randn(P, hkv, d, generator=gen, device=device).to(dtype)
+        vc[blk, :, pos % bs] = torch.randn(P, hkv, d, generator=gen, device=device).to(dtype)
+    meta = tk.TreeMeta.build(placed, device=device)
+    return dict(query=q.view(T, hq, d), key=k.view(T, hkv, d), value=v.view(T, hkv, d),
+                k_cache=kc, v_cache=vc, block_table=table, meta=meta, scale=d**-0.5)
+
+
+def call(step: dict, out: torch.Tensor, impl: str, **kw) -> torch.Tensor:
+    s = step
+    return tk.tree_attention(s["query"], s["key"], s["value"], s["k_cache"], s["v_cache"],
+                             s["block_table"], s["meta"], s["scale"], out, impl=impl, **kw)
+
+
+def check_case(spec: Spec, device: torch.device, tol: dict) -> dict:
+    t0 = time.perf_counter()
+    step = build_step(spec, device)
+    meta = step["meta"]
+    hq, hkv, _ = spec.hqkd
+    nseg = spec.nseg or tk.choose_segments(meta, hkv, hq // hkv, tk.sm_count(device))
+    before = torch.randn(step["query"].shape, device=device).to(step["query"].dtype)
+    out = call(step, before.clone(), "triton", num_segments=nseg)
+    ref = call(step, torch.zeros_like(out, dtype=torch.float32), "torch")
+    tree = torch.zeros(out.shape[0], dtype=torch.bool, device=device)
+    tree[meta.rows.long()] = True
+    err = (out[tree].float() - ref[tree]).abs().max().item()
+    untouched = torch.equal(out[~tree].view(torch.uint8), before[~tree].view(torch.uint8))
+    ok = untouched and math.isfinite(err) and err <= tol[spec.dtype]
+    res = asdict(spec) | dict(nseg=nseg, err=err, tol=tol[spec.dtype], untouched=untouched,
+                              ok=ok, seconds=round(time.perf_counter() - t0, 3))
+    res["trees"] = [list(t) for t in spec.trees]
+    return res
+
+
+def matrix(smoke: bool, seed: int = 0) -> list[Spec]:
+    """A shuffled covering matrix (every head config x dtype x block size appears)."""
+    rng = random.Random(seed)
+    heads = SMOKE_HEADS if smoke else HEADS
+    specs = []
+    for i in range(24 if smoke else 400):
+        dtype = ["bf16", "fp16", "bf16", "fp32"][i % 4] if smoke else rng.choice(
+            ["bf16"] * 4 + ["fp16"] * 3 + ["fp32"])
+        name = list(heads)[i % len(heads)]
+        bs = rng.choice([16, 32] if smoke else [16, 32, 64])
+        max_p = 3 * bs + 5 if smoke else 16384
+        trees = []
+        for _ in range(rng.choice([1, 1, 2, 3] if smoke else [1, 1, 2, 4, 8])):
+            P = rng.choice([0, 1, bs - 1, bs, bs + 1, rng.randrange(max_p + 1), max_p])
+            n = rng.choice([1, 2, 5, 12, rng.randrange(1, 40)] if smoke
+                           else [1, 2, 4, 8, 16, 32, 64, rng.randrange(1, 65)])
+            trees.append((P, n, rng.choice(["chain", "star", "random", "random"])))
+        specs.append(Spec(dtype, name, heads[name], bs, rng.choice(["LBNHC", "LBHNC"]), trees,
+                          rng.choice([None, None, 1, 3] if smoke else [None, None, 1, 4]),
+                          seed * 1000 + i))
+    rng.shuffle(specs)
+    return specs
+
+
+# ----------------------------------------------------------------------------- views
+
+
+def check_views(device: torch.device) -> dict:
+    """kv_views == FlashAttention's split (vllm flash_attn.py) and copy_slots == sequential."""
+    nb, hkv, bs, d = 6, 4, 16, 64
+    res = {}
+    for layout in ("LBNHC", "LBHNC"):
+        kv = torch.randn(nb, bs, hkv, 2 * d, device=device).transpose(1, 2) \
+            if layout == "LBNHC" else torch.randn(nb, hkv, bs, 2 * d, device=device)
+        k, v = tk.kv_views(kv, d, "flash")
+        fk, fv = kv.transpose(1, 2).split(d, dim=-1)
+        same = torch.equal(k, fk.transpose(1, 2)) and torch.equal(v, fv.transpose(1, 2))
+        src, dst = [18, 21, 40, 70], [17, 18, 19, 66]  # dst_j <= src_j, increasing
+        want = kv.clone()
+        wk, wv = tk.kv_views(want, d, "flash")
+        for s, t in zip(src, dst, strict=True):
+            wk[t // bs, :, t % bs] = wk[s // bs, :, s % bs]
+            wv[t // bs, :, t % bs] = wv[s // bs, :, s % bs]
+        tk.copy_slots(k, v, src, dst)
+        res[layout] = dict(views=same, copy_slots=torch.equal(kv, want))
+    return res
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def peak_gbps(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((bw for key, bw in PEAK_GBPS if key in name), None)
+
+
+def bench(fn, device: torch.device, graph: bool) -> float:
+    """Milliseconds per call: triton's do_bench (CUDA graph replay when `graph`, else per
+    Python call); one timed call on CPU."""
+    fn()
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    import triton.testing
+
+    if graph:
+        try:
+            return triton.testing.do_bench_cudagraph(fn, rep=50)
+        except RuntimeError:  # capture refused: fall back to plain launches
+            return float("nan")
+    return triton.testing.do_bench(fn, warmup=25, rep=100)
+
+
+def time_config(B: int, P: int, n: int, device: torch.device, smoke: bool) -> dict:
+    hq, hkv, d = (4, 2, 16) if smoke else HEADS["llama3.1-8b"]
+    spec = Spec("bf16", "timing", (hq, hkv, d), 16, "LBNHC", [(P, n, "random")] * B, None, 7)
+    step = build_step(spec, device)
+    out = torch.empty_like(step["query"])
+    meta = step["meta"]
+    nseg = tk.choose_segments(meta, hkv, hq // hkv, tk.sm_count(device))
+    elt = 2
+    kv_bytes = B * (P + n) * hkv * d * 2 * elt
+    bytes_min = kv_bytes + 2 * B * n * hq * d * elt  # + q read, out written
+    res = dict(B=B, P=P, n=n, heads=f"{hq}/{hkv}/{d}", nseg=nseg, kv_bytes=kv_bytes,
+               kernel_ms=bench(lambda: call(step, out, "triton"), device, graph=True),
+               call_ms=bench(lambda: call(step, out, "triton"), device, graph=False))
+    if B == 1:
+        res["nosplit_ms"] = bench(lambda: call(step, out, "triton", num_segments=1), device,
+                                  graph=True)
+    q = torch.randn(B, hq, n, d, device=device, dtype=torch.bfloat16)
+    k = torch.randn(B, hkv, P + n, d, device=device, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    res["sdpa_dense_ms"] = bench(lambda: torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, enable_gqa=True), device, graph=False)
+    peak = peak_gbps(device)
+    ms = res["kernel_ms"] if math.isfinite(res["kernel_ms"]) else res["call_ms"]
+    res["gbps"] = bytes_min / ms / 1e6
+    res["peak_gbps"] = peak
+    res["bound_ms"] = bytes_min / peak / 1e6 if peak else None
+    res["x_bound"] = ms / res["bound_ms"] if peak else None
+    return res
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def summary(cases: list[dict]) -> list[dict]:
+    rows = {}
+    for c in cases:
+        r = rows.setdefault((c["dtype"], c["heads"]), dict(dtype=c["dtype"], heads=c["heads"],
+                                                           cases=0, passed=0, max_err=0.0))
+        r["cases"] += 1
+        r["passed"] += c["ok"]
+        r["max_err"] = max(r["max_err"], c["err"])
+    return sorted(rows.values(), key=lambda r: (r["dtype"], r["heads"]))
+
+
+def markdown(report: dict) -> str:
+    def f(x, spec=".3f"):
+        return "-" if x is None else format(x, spec)
+
+    lines = [f"# tree_kernel GPU check: {report['device']}", "",
+             f"torch {report['torch']}, triton {report['triton']}; "
+             f"{report['elapsed_s']:.0f} s; all ok: {report['all_ok']}", "",
+             "| dtype | heads | cases | passed | max abs err |", "|---|---|---|---|---|"]
+    for r in report["summary"]:
+        lines.append(f"| {r['dtype']} | {r['heads']} | {r['cases']} | {r['passed']} | "
+                     f"{r['max_err']:.2e} |")
+    lines += ["", "| B | P | n | nseg | kernel ms | per call ms | no split ms | GB/s | "
+              "x bound | SDPA dense ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for t in report["timing"]:
+        lines.append(f"| {t['B']} | {t['P']} | {t['n']} | {t['nseg']} | {f(t['kernel_ms'])} | "
+                     f"{f(t['call_ms'])} | {f(t.get('nosplit_ms'))} | {f(t['gbps'], '.0f')} | "
+                     f"{f(t['x_bound'], '.2f')} | {f(t['sdpa_dense_ms'])} |")
+    lines += ["", f"views: {report['views']}", ""]
+    return "\n".join(lines)
+
+
+def run(out_dir: Path, deadline: float, smoke: bool) -> dict:
+    t0 = time.perf_counter()
+    device = torch.device("cpu" if smoke else "cuda")
+    if not smoke and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --cpu-smoke for the CPU dry run")
+    tol = CPU_TOL if smoke else TOL
+    specs = matrix(smoke)
+    cases, timing = [], []
+
+    def correctness(until: float) -> None:
+        while specs and time.perf_counter() - t0 < until:
+            cases.append(check_case(specs.pop(), device, tol))
+            c = cases[-1]
+            print(f"[{time.perf_counter() - t0:6.1f}s] {c['dtype']} {c['heads']} bs{c['bs']} "
+                  f"{c['layout']} trees={c['trees']} nseg={c['nseg']} err={c['err']:.2e} "
+                  f"{'ok' if c['ok'] else 'FAIL'}", flush=True)
+
+    correctness(0.55 * deadline)
+    views = check_views(device)
+    for B, P, n in SMOKE_TIMING if smoke else TIMING:
+        if time.perf_counter() - t0 > 0.9 * deadline:
+            break
+        timing.append(time_config(B, P, n, device, smoke))
+        print(f"[{time.perf_counter() - t0:6.1f}s] timing {timing[-1]}", flush=True)
+    correctness(deadline)
+    import triton
+
+    report = dict(
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu "
+        "(Triton interpreter)", torch=torch.__version__, triton=triton.__version__,
+        cpu_smoke=smoke, deadline_s=deadline, elapsed_s=time.perf_counter() - t0,
+        all_ok=all(c["ok"] for c in cases) and all(all(v.values()) for v in views.values()),
+        summary=summary(cases), timing=timing, views=views, correctness=cases,
+        not_run=len(specs))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=1))
+    (out_dir / "gpu_check.md").write_text(markdown(report))
+    print(markdown(report))
+    return report
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="folder for the JSON and markdown")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds before the matrix stops (default 420 on GPU, 60 on CPU)")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="CPU dry run: the interpreter on tiny shapes")
+    args = ap.parse_args()
+    deadline = args.deadline or (60.0 if args.cpu_smoke else 420.0)
+    report = run(args.out, deadline, args.cpu_smoke)
+    sys.exit(0 if report["all_ok"] else 1)
+
+
+if __name__ == "__main__":
+    main()
