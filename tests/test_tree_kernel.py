@@ -42,7 +42,9 @@ from treedraft.plugin import tree_kernel as tk
 pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[1]
-TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # output rounding
+# |o - ref| <= tol * (1 + |ref|): one ulp of the output dtype (the interpreter's fp32 -> bf16
+# conversion truncates where the GPU rounds to nearest)
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
 # ----------------------------------------------------------------------------- step builder
@@ -163,7 +165,7 @@ def run(s: Step, impl, **kw):
 def check(s: Step, impl, **kw) -> tuple[torch.Tensor, float]:
     before, out = run(s, impl, **kw)
     ref = reference(s)
-    err = max((out[r].float() - o).abs().max().item() for r, o in ref.items())
+    err = max(((out[r].float() - o).abs() / (1 + o.abs())).max().item() for r, o in ref.items())
     assert err <= TOL[s.query.dtype], f"{impl}: max error {err:.3g} > {TOL[s.query.dtype]}"
     others = [r for r in range(out.shape[0]) if r not in ref]
     assert others and torch.equal(out[others].view(torch.uint8), before[others].view(torch.uint8))
@@ -200,8 +202,8 @@ def test_kernel_matches_reference(case):
     s = make_step(trees, dtype=dtype, layout=layout, g=g, hkv=hkv, d=d, bs=bs, q_tile=q_tile)
     out_triton, _ = check(s, "triton", num_segments=nseg)
     out_torch, _ = check(s, "torch")
-    tol = 1e-5 if dtype == torch.float32 else TOL[dtype]
-    torch.testing.assert_close(out_triton.float(), out_torch.float(), atol=tol, rtol=0)
+    torch.testing.assert_close(out_triton.float(), out_torch.float(), atol=TOL[dtype],
+                               rtol=TOL[dtype])
 
 
 @pytest.mark.parametrize("nseg", [1, 3])
