@@ -39,12 +39,25 @@ longest prefix and a cap on the partials' traffic (at most 1/4 of the K/V bytes)
 
 The torch twin (`tree_attention_torch`) is the same contract in fp32 SDPA: the CPU path and
 the test oracle.
+
+Use, once per step and then per layer:
+    meta = TreeMeta.build([(t.qs, t.root_pos, t.parents, t.req_index) for t in trees], device)
+    k4, v4 = kv_views(kv_cache, head_size, "flash")  # "vec" on vLLM's CPU backend
+    tree_attention(query, key, value, k4, v4, block_table, meta, scale, output)
+
+Interpreter. CPU tensors run the same kernels under Triton's interpreter: triton fixes
+interpreted vs compiled when `triton.jit` runs, so `_kernels` decorates the plain functions
+below once per mode, and their bodies call only triton builtins and `tl.reduce` with triton's
+stock combine functions (its @jit helpers tl.max / tl.sum / tl.zeros were fixed to one mode
+when triton was first imported, e.g. by vLLM). Tested under the interpreter and compiled for
+sm_90 on CPU (tests/test_tree_kernel.py); the GPU run is scripts/gpu_check.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -113,7 +126,7 @@ class TreeMeta:
             if q0 < 0 or p < 0 or r < 0:
                 raise ValueError(f"tree {t}: qs={q0}, P={p}, req={r} must be >= 0")
         words = max(1, -(-max(n, default=1) // 32))
-        ao = [sum(n[:t]) for t in range(len(n))]
+        ao = list(itertools.accumulate(n, initial=0))[:-1]  # first tree row of each tree
         table = [[q, k, p, r, a] for q, k, p, r, a in zip(qs, n, P, req, ao, strict=True)]
         tiles = [[t, i] for t, k in enumerate(n) for i in range(0, k, q_tile)]
         rows = [q + i for q, k in zip(qs, n, strict=True) for i in range(k)]
@@ -200,6 +213,10 @@ def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     num_segments: split-KV segments (None: `choose_segments`); num_sms: the SM count that
     choice assumes (None: the device's; 1 on CPU, i.e. no split unless forced)."""
     _check(query, key, value, k_cache, v_cache, out)
+    if meta.trees.device != query.device or block_table.device != query.device:
+        raise ValueError(f"TreeMeta on {meta.trees.device}, block table on "
+                         f"{block_table.device}, query on {query.device}: build the metadata "
+                         "with TreeMeta.build(..., device=query.device)")
     if impl not in IMPLS:
         raise ValueError(f"unknown tree attention impl {impl!r}; use one of {sorted(IMPLS)}")
     if not meta.num_trees:
@@ -217,6 +234,9 @@ def _check(query, key, value, k_cache, v_cache, out) -> None:
     if k_cache.shape != v_cache.shape or k_cache.shape[1] != Hkv or k_cache.shape[3] != D:
         raise ValueError(f"caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} are not "
                          f"[num_blocks, {Hkv}, block_size, {D}] (use kv_views)")
+    if k_cache.dtype != query.dtype:
+        raise ValueError(f"KV cache dtype {k_cache.dtype} != query dtype {query.dtype}: tree "
+                         "attention reads an unquantized cache (no fp8 KV cache)")
     if out.shape != query.shape:
         raise ValueError(f"out {tuple(out.shape)} != query {tuple(query.shape)}")
 
