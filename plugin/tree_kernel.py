@@ -322,7 +322,8 @@ def tree_attention_triton(query: torch.Tensor, key: torch.Tensor, value: torch.T
     gp = triton.next_power_of_2(g)
     block_m = max(16, meta.q_tile * gp)
     block_d = max(16, triton.next_power_of_2(D))
-    block_n = (64 if D <= 128 else 32) if on_gpu else 32
+    wide = D * query.element_size() > 256  # fp32 D=128, bf16 D=256: halve the K/V tiles
+    block_n = (32 if wide else 64) if on_gpu else 32
     split = num_segments > 1
     R = meta.num_rows
     if split:  # fp32 partials per (tree row, query head, segment)
@@ -340,7 +341,7 @@ def tree_attention_triton(query: torch.Tensor, key: torch.Tensor, value: torch.T
         scale * _LOG2E, num_segments,
         G=g, GP=gp, BLOCK_Q=meta.q_tile, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HEAD_D=D, PAGE=k_cache.shape[2], NUM_HQ=Hq, SPLIT=split, DOT_F32=not on_gpu,
-        num_warps=4 if block_m <= 64 else 8, num_stages=3 if D * query.element_size() <= 256 else 2,
+        num_warps=4 if block_m <= 64 else 8, num_stages=2 if wide else 3,
     )
     if split:
         reduce[(R, Hq)](
