@@ -36,7 +36,7 @@ import torch
 KERNEL_PATH = Path(__file__).resolve().parents[1] / "plugin" / "tree_kernel.py"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # |o - ref| <= tol * (1 + |ref|): output rounding, bf16/fp16 P@V operands (fp32: tf32 dots)
-TOL = {"bf16": 1.6e-2, "fp16": 2e-3, "fp32": 4e-3}
+TOL = {"bf16": 1.6e-2, "fp16": 4e-3, "fp32": 4e-3}
 CPU_TOL = {"bf16": 8e-3, "fp16": 1e-3, "fp32": 1e-6}  # interpreter: fp32 dots
 HEADS = {  # name: (Hq, Hkv, D)
     "llama3.1-8b": (32, 8, 128), "qwen2.5-7b": (28, 4, 128), "qwen3-8b": (32, 8, 128),
