@@ -8,7 +8,7 @@ tree drafting are `treedraft.heads` code, unchanged; this class only maps vLLM's
 Per request and step (rows are this step's scheduled tokens, starting at position c):
 - collect the pairs (target features of row j, token at position c+j+1) for every row whose
   next token is now known: all rows of a prefill chunk, root + accepted drafts of a decode step;
-  they wait in the request's `heads.common.PendingPairs` until it drafts (a step that drafts
+  they wait in the request's `pairs.PendingPairs` until it drafts (a step that drafts
   nothing for a request, e.g. `"tree": "auto"` choosing 0, runs no head forward for it);
 - draft a tree (or chain) below the last sampled token and return its tokens in node order.
 Both run batched across the step's drafting requests: their commits in one packed head
@@ -49,7 +49,7 @@ import numpy as np
 import torch
 from vllm.logger import init_logger
 
-from treedraft.heads.common import PairLog, PendingPairs, commit_sessions
+from treedraft.heads.common import commit_sessions
 from treedraft.heads.lookup import (
     DEFAULT_MAX_N,
     DEFAULT_MIN_N,
@@ -65,6 +65,7 @@ from treedraft.heads.sampling import draft_chains
 from treedraft.heads.tree import MAX_TREE_DEPTH, DraftTree, parse_tree_spec
 
 from .config import KEY
+from .pairs import PairLog, PendingPairs
 from .sampler import request_unsupported
 
 logger = init_logger("vllm.treedraft")

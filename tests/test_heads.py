@@ -464,10 +464,11 @@ def test_unbound_target_weights():
 
 
 def test_pending_pairs_commit_lazily_what_eager_commits_make():
-    """Serving defers a request's commits until it drafts (heads.common.PendingPairs): the
+    """Serving defers a request's commits until it drafts (plugin/pairs.py PendingPairs): the
     session then ends exactly where eager commits end, through steps, rollbacks inside and
     before what is pending, a gap and flushes in between; `full` tells the caller to flush."""
-    from treedraft.heads.common import PendingPairs, commit_sessions
+    from treedraft.heads.common import commit_sessions
+    from treedraft.plugin.pairs import PendingPairs
 
     head = make_eagle()
     g = torch.Generator().manual_seed(5)
@@ -510,13 +511,13 @@ def test_pending_pairs_commit_lazily_what_eager_commits_make():
 
 @pytest.mark.parametrize("parts", [False, True])
 def test_pair_log_drains_into_pending_pairs_what_adding_each_step_makes(parts):
-    """Plain decode steps are logged whole (heads.common.PairLog) and replayed into the
+    """Plain decode steps are logged whole (plugin/pairs.py PairLog) and replayed into the
     requests' PendingPairs when read: the same pairs at the same positions as adding each step
     at once, through a rollback (a preempted request recomputed from position 2), a request
     that joins late, and one that finished (its pairs dropped, no PendingPairs made for it).
     parts: a step logs its features as parts (the target layers a head reads, joined when
     drained) and its tokens as a numpy array, as serving does."""
-    from treedraft.heads.common import PairLog, PendingPairs
+    from treedraft.plugin.pairs import PairLog, PendingPairs
 
     g = torch.Generator().manual_seed(3)
     # steps: (request ids, positions) of one pair each
