@@ -99,7 +99,7 @@ class AutoBudget:
     # budgets up to this many head nodes draft a chain of the head's top tokens, larger ones
     # the head's tree: on a 2-core CPU a branching tree's rows cost more than they earn at small
     # budgets (batch 1, T=0, MT-bench x 256, with lookup:4: dynamic:3,3,3 0.864x and chain:3
-    # 0.978x of chain:2; dynamic:2,2,2 0.961x; session 32), and `auto` chose 3-4-node trees
+    # 0.978x of chain:2; dynamic:2,2,2 0.961x; `treedraft bench`), and `auto` chose 3-4-node trees
     # most of the time. Sampled requests draw chains from q at any budget (`auto_chain_depth`).
     CHAIN_MAX = 4
 
@@ -165,7 +165,7 @@ class AutoBudget:
         The head's acceptance is observed on requests that grafted no lookup: where lookup was
         grafted, the head's nodes it agreed with would have been accepted without them, and
         counted for the head they made more head nodes look worth drafting (SmolLM2 at batch
-        1: two nodes measured x1.32 of the table where one measured x0.80, session 20)."""
+        1: two nodes measured x1.32 of the table where one measured x0.80)."""
         self._tokens = sum(sampled.values())
         table = self.policy.table
         # (temperature class: greedy / sampled, budget of the head's table) -> extra tokens
@@ -203,7 +203,7 @@ class AutoBudget:
         for budget, (e, o) in shorter.items():  # budgets compared on the same steps (at batch 1
             # the factors of budgets 1-4, each read on the steps that drafted it, came out as
             # 1 x0.98, 2 x0.57, 3 x0.52, 4 x0.83: a 4-node chain, measured elsewhere in the
-            # replies, looked better than 3, session 34)
+            # replies, looked better than 3)
             self.policy.observe(e, o, budget=budget, drafted=False)
 
     @property
@@ -683,7 +683,7 @@ class TreeDraftProposer:
         # sampled requests draft chains from q where this step's trees are chains, and under
         # auto wherever they graft no lookup: n nodes as one chain drawn from q (as deep as the
         # head's tree at most) accept more at T > 0 than the head's n-node top-k tree (bench,
-        # batch 1, T=1, session 26: chain=3 1.28x no-spec where auto's trees gave 1.04x)
+        # batch 1, T=1: chain=3 1.28x no-spec where auto's trees gave 1.04x)
         chain_depth = min(spec.chain_nodes or 0, budget)
         q_depth = chain_depth or (auto_chain_depth(n, budget, self.spec, self.head)
                                   if n and self.auto is not None and spec.has_head else 0)

@@ -941,7 +941,7 @@ def test_auto_measures_a_budgets_step_where_every_request_verified_it():
     decode requests verified n head nodes drafted last step: its own drafting swapped for last
     step's, with the number of last step's lookup-only rows (the policy files such steps under
     their own key; priced out at the fit's price of a row, they made the budget drafted beside
-    lookup look cheap, session 36); not after a prefill step (its drafting phase committed a
+    lookup look cheap); not after a prefill step (its drafting phase committed a
     prompt), nor where budgets or requests differ."""
     import time
     from types import SimpleNamespace
@@ -999,7 +999,7 @@ def test_auto_measures_a_budgets_step_where_every_request_verified_it():
 
 def test_auto_drafts_chains_at_small_budgets_and_its_table_says_so():
     """Under "auto" a budget up to `AutoBudget.CHAIN_MAX` head nodes drafts a chain (on a 2-core
-    CPU a branching tree's rows cost more than they earn there, session 32), larger ones the
+    CPU a branching tree's rows cost more than they earn there), larger ones the
     head's tree; the expected lengths are a chain's where chains are drafted."""
     from treedraft.heads.cost import expected_lengths
     from treedraft.heads.tree import DEFAULT_ACCEPTANCE_RATES, parse_tree_spec
