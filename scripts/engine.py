@@ -14,8 +14,11 @@ own `python -m treedraft.scripts.engine REQUEST.json` process. A request names t
 With `background_shutdown`, `run_engine` returns as soon as the child has printed its result
 and the engine shuts down (seconds) in the background while the caller goes on.
 
+`params` may name `structured_outputs` as a dict of StructuredOutputsParams fields.
+
 The child prints one line ``TREEDRAFT_RESULT {...}``: per job the generated token ids, their
 logprobs (per output, the sampled tokens' logprobs; null where the request asked for none),
+the prompt tokens' logprobs (`prompt_logprobs`; null where not asked),
 every position's returned [token, logprob] pairs largest first (`top_logprobs`: with
 `logprobs: k`, the top k and the sampled token's; raw logits under `logprobs_mode:
 raw_logits`), the
@@ -24,8 +27,9 @@ request's seconds from its submission to its last token, `request_seconds`) and 
 vLLM's spec-decode counters during the job
 (and, when `TREEDRAFT_PROFILE` is in the engine's environment, the change of the worker's step
 profile: seconds per phase, steps, scheduled tokens; plugin/profile.py). While it
-runs it prints ``TREEDRAFT_PROGRESS {...}`` lines (engine ready; after each wave: job, tokens),
-which `run_engine` hands to its `progress` callback as they arrive.
+runs it prints ``TREEDRAFT_PROGRESS {...}`` lines (engine ready, with the number of patches
+treedraft applied in the script's process; after each wave: job, tokens), which `run_engine`
+hands to its `progress` callback as they arrive.
 """
 
 from __future__ import annotations
@@ -153,21 +157,33 @@ def counter_delta(before: dict, after: dict) -> dict:
             "mean_acceptance_length": 1 + accepted / drafts if drafts else None}
 
 
-def _run_job(llm, job: dict) -> dict:
+def sampling_params(kwargs: dict):
+    """vLLM SamplingParams from JSON kwargs; `structured_outputs` given as a dict of
+    StructuredOutputsParams fields (e.g. {"json": SCHEMA})."""
     from vllm import SamplingParams
+
+    kwargs = dict(kwargs)
+    if isinstance(kwargs.get("structured_outputs"), dict):
+        from vllm.sampling_params import StructuredOutputsParams
+
+        kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
+    return SamplingParams(**kwargs)
+
+
+def _run_job(llm, job: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     from treedraft.plugin import profile
 
     prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
     raw = job["params"]
-    params = ([SamplingParams(**p) for p in raw] if isinstance(raw, list)
-              else [SamplingParams(**raw)] * len(prompts))
+    params = ([sampling_params(p) for p in raw] if isinstance(raw, list)
+              else [sampling_params(raw)] * len(prompts))
     bs = job.get("batch_size") or len(prompts)
     before = spec_counters(llm)
     prof = os.environ.get(profile.PROFILE_ENV)  # the worker's step profile (plugin/profile.py)
     prof_before = profile.read(prof)
-    tokens, logprobs, top, finish, waves = [], [], [], [], []
+    tokens, logprobs, top, finish, waves, prompt_lps = [], [], [], [], [], []
     request_seconds = None
     if job.get("continuous"):  # one run of the whole queue
         t = time.perf_counter()
@@ -192,7 +208,13 @@ def _run_job(llm, job: dict) -> dict:
                  for lp in c.logprobs]
                 for c in new]
         finish += [c.finish_reason for c in new]
+        # per prompt token, its logprob under the target (prompt_logprobs; None: not asked)
+        prompt_lps += [None if o.prompt_logprobs is None else
+                       [None if lp is None else lp[t].logprob
+                        for t, lp in zip(o.prompt_token_ids, o.prompt_logprobs, strict=False)]
+                       for o in outs for _ in o.outputs]
     out = {"tokens": tokens, "logprobs": logprobs, "top_logprobs": top, "finish_reasons": finish,
+           "prompt_logprobs": prompt_lps,
            "wave_seconds": waves, "spec": counter_delta(before, spec_counters(llm))}
     if request_seconds is not None:
         out["request_seconds"] = request_seconds
@@ -251,7 +273,10 @@ def _main(path: str) -> None:
               "disable_log_stats": False, **req["llm"]}
     t = time.perf_counter()
     llm = LLM(req["target"], speculative_config=req["speculative_config"], **kwargs)
-    _report({"ready": time.perf_counter() - t})
+    from treedraft.plugin import patching
+
+    # patches treedraft applied in this process (with the engine in-process: the engine's own)
+    _report({"ready": time.perf_counter() - t, "treedraft_patches": len(patching.applied())})
     results = {job["name"]: _run_job(llm, job) for job in req["jobs"]}
     print(RESULT + json.dumps(results), flush=True)
 
