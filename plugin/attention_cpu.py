@@ -14,7 +14,7 @@ kernel as for any sequence, and the cost added by a tree grows with its number o
 the block size, not with the prefix length.
 
 Trees that do not fit in the step's scratch blocks (or when there are none: a cache too small,
-TREEDRAFT_SCRATCH_BLOCKS=0) are recomputed in torch after the kernel (`TreeBatch`): K/V of the
+`"scratch_blocks": 0` in --speculative-config) are recomputed in torch after the kernel (`TreeBatch`): K/V of the
 request's prefix and tree are read back from the paged cache and one masked
 `scaled_dot_product_attention` per layer runs for all of them, with the mask [ones(prefix) |
 ancestor_mask]. Chains keep the kernel's causal result.

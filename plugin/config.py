@@ -38,7 +38,7 @@ from .patching import Patch
 
 PROPOSER = "treedraft.plugin.proposer.TreeDraftProposer"
 KEY = "treedraft"  # additional_config key
-TREEDRAFT_KEYS = ("tree",)
+TREEDRAFT_KEYS = ("tree", "scratch_blocks")  # popped from --speculative-config (vLLM's own keys stay)
 # --speculative-config keys and the --spec-* shorthand attributes of EngineArgs they merge with
 FLAGS = {"method": "spec_method", "model": "spec_model", "num_speculative_tokens": "spec_tokens"}
 
@@ -321,6 +321,12 @@ def _check_target(spec, model_config) -> None:
 
 def _finish(engine_args, sc: dict, spec, head: dict) -> None:
     """The rewritten config: vLLM's custom_class proposer with the tree's node budget."""
+    scratch = sc.pop("scratch_blocks", None)  # KV blocks kept for tree attention (scratch.py)
+    if scratch is not None:
+        if isinstance(scratch, bool) or not isinstance(scratch, int) or scratch < 0:
+            raise ValueError(f"--speculative-config: scratch_blocks must be an integer >= 0, got "
+                             f"{scratch!r} (0: tree rows recomputed in torch, no scratch)")
+        head = {**head, "scratch_blocks": scratch}
     sc.update(method="custom_class", model=PROPOSER, num_speculative_tokens=spec.max_nodes)
     for attr in FLAGS.values():  # merged into sc above
         setattr(engine_args, attr, None)

@@ -306,18 +306,28 @@ def test_tree_rows_attend_to_prefix_and_ancestors_only(scratch):
         assert seqs.block_table[-1, :2].tolist() == [17, 18]  # 30 + 3 slots: two blocks
 
 
-def test_scratch_blocks_fit_the_cache(monkeypatch):
-    """Tree scratch: up to SCRATCH_BLOCKS, at most 1/8 of the cache, and never so many that one
-    request of max_model_len no longer fits (then none: torch tree attention)."""
-    from treedraft.plugin.scratch import SCRATCH_BLOCKS, SCRATCH_ENV, scratch_count
+def test_scratch_blocks_fit_the_cache():
+    """Tree scratch: up to SCRATCH_BLOCKS (or the engine's `scratch_blocks`), at most 1/8 of the
+    cache, and never so many that one request of max_model_len no longer fits (then none: torch
+    tree attention). The count is the engine's own setting, carried in its config."""
+    from treedraft.plugin.scratch import SCRATCH_BLOCKS, scratch_count, scratch_range
 
-    monkeypatch.delenv(SCRATCH_ENV, raising=False)
     assert scratch_count(690, 128, 2048) == SCRATCH_BLOCKS == 32
     assert scratch_count(80, 128, 2048) == 10  # 1/8
     assert scratch_count(20, 128, 2048) == 2  # 16 blocks of max_model_len + the null block
     assert scratch_count(5, 128, 512) == 0  # the engine tests' small cache
-    monkeypatch.setenv(SCRATCH_ENV, "0")
-    assert scratch_count(690, 128, 2048) == 0
+    assert scratch_count(690, 128, 2048, want=0) == 0
+    tree = {"model": "smollm2-135m-eagle", "tree": "dynamic:10,3,3"}
+    cfg = _engine_config(tree)
+    blocks = 64 * cfg.cache_config.block_size // 128  # a cache of 8192 tokens
+    assert len(scratch_range(cfg, blocks)) == min(SCRATCH_BLOCKS, blocks // 8)
+    none = _engine_config({**tree, "scratch_blocks": 0})
+    assert none.additional_config["treedraft"]["scratch_blocks"] == 0
+    assert "scratch_blocks" not in none.speculative_config.__dict__
+    assert len(scratch_range(none, blocks)) == 0
+    assert len(scratch_range(_engine_config({**tree, "scratch_blocks": 3}), blocks)) == 3
+    with pytest.raises(ValueError, match="scratch_blocks must be an integer >= 0"):
+        _engine_config({**tree, "scratch_blocks": -1})
 
 
 def test_chain_cover_gives_each_node_its_ancestors_once():
