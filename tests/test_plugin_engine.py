@@ -24,6 +24,8 @@ engine core and worker in-process, which starts in about half the time):
 * parameters trees cannot honour (bad_words, min_tokens, presence/frequency penalties, a JSON
   schema, prompt_logprobs) in one batch, on the tree and the chain engines: greedy tokens and
   prompt logprobs identical to no speculation; in tree mode none of them is drafted for.
+* a streaming-input session (vLLM's AsyncLLM) whose second chunk asks for a repetition
+  penalty after a first chunk drafted as trees: identical to no speculation.
 * stock engines: vLLM's own ngram speculation with treedraft installed (its patches in the
   engine's process) and with treedraft's plugin not loaded: the same tokens, drafts and
   acceptances per depth.
@@ -497,6 +499,23 @@ def test_parameters_trees_cannot_honour_are_answered_exactly(runs, name, tokeniz
     assert torch.allclose(torch.tensor(got[1:]), torch.tensor(ref[1:]), atol=1e-4)
     if name == "tree":  # tree mode drafts for none of these requests
         assert res["spec"]["drafts"] == 0
+
+
+def test_streaming_session_that_changes_parameters_mid_request_is_exact(target, tokenizer):
+    """A streaming-input session (one request id, prompt chunks with their own SamplingParams):
+    its first chunk is drafted for as a tree, its second asks for a repetition penalty, which
+    trees cannot honour. vLLM replaces the request's SamplingParams; the proposer reads them
+    again (it stops drafting) and the root row's penalty history holds no unverified drafts, so
+    the whole session equals no speculation token for token (fp32, greedy)."""
+    from stream_session import run_session
+
+    chunks = [{"prompt": tokenizer(SAMPLE_TEXT)["input_ids"],
+               "params": {"temperature": 0, "max_tokens": 16}},
+              {"prompt": tokenizer(" Again, the sea is blue and the sky is")["input_ids"],
+               "params": {"temperature": 0, "max_tokens": 16, "repetition_penalty": 1.8}}]
+    base, _ = run_session(target, None, chunks)
+    got, _ = run_session(target, {"model": EAGLE, "tree": "dynamic:10,3,3"}, chunks)
+    assert len(base) > 16 and got == base, (tokenizer.decode(got), tokenizer.decode(base))
 
 
 def test_stock_spec_decoding_is_untouched_by_the_installed_plugin(runs):
