@@ -34,6 +34,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .attention_cuda import CONFIG_PATCHES as CUDA_CONFIG_PATCHES
 from .patching import Patch
 
 PROPOSER = "treedraft.plugin.proposer.TreeDraftProposer"
@@ -241,14 +242,23 @@ def _rewrite_lookup_only(engine_args, sc: dict, target_model_config, parallel_co
 
 
 def _check_platform(spec) -> None:
+    """Branching trees run on vLLM's CPU backend and on CUDA (plugin/attention_cuda.py: the
+    Triton tree kernel; the engine-level CUDA refusals and PIECEWISE graphs are applied to the
+    VllmConfig by attention_cuda.CONFIG_PATCHES, the per-layer ones when the layers are built)."""
+    import importlib.util
+
     from vllm.platforms import current_platform
 
-    if not spec.is_chain and not current_platform.is_cpu():
+    if spec.is_chain or current_platform.is_cpu():
+        return
+    if not current_platform.is_cuda():
         raise NotImplementedError(
-            f"tree {spec.to_string()!r}: treedraft verifies branching trees on vLLM's CPU "
-            "backend only so far (the CUDA attention path is designed in plugin/attention_cpu.py "
-            "but not built); use 'chain:K' on this platform"
-        )
+            f"tree {spec.to_string()!r}: treedraft verifies branching trees on vLLM's CPU and "
+            "CUDA backends only; use 'chain:K' on this platform")
+    if importlib.util.find_spec("triton") is None:
+        raise NotImplementedError(
+            f"tree {spec.to_string()!r}: tree attention on CUDA is a Triton kernel, but triton "
+            "is not installed; install vLLM's triton (pip install triton) or use 'chain:K'")
 
 
 def _check_parallel(spec, auto: bool, parallel_config) -> None:
@@ -350,4 +360,4 @@ FRONTEND_PATCHES = [
         _wrap_create_speculative_config,
         "treedraft heads in --speculative-config become a custom_class proposer",
     ),
-]
+] + CUDA_CONFIG_PATCHES  # CUDA tree mode: PIECEWISE graphs, start-up refusals

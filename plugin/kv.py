@@ -8,13 +8,17 @@ ancestors at position root_pos + j, so its K/V are exactly what a chain over the
 Copying in increasing j is hazard-free: a_j >= j, and later sources a_m > a_j > j are never
 overwritten. Rejected slots need no release: they lie beyond the rolled-back length and are
 rewritten by later steps, as with vLLM's own rejected drafts.
+
+Layouts: the CPU cache (`vec`) is copied slot by slot in order (`attention_cpu.copy_slots`);
+vLLM's CUDA cache (`flash`, any physical stride order) by one gather and one scatter on its
+K/V views (`tree_kernel.copy_slots`), equal to the ordered copies by the hazard argument above.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .attention_cpu import copy_slots
+from . import tree_kernel
 
 
 def attention_caches(runner) -> list[torch.Tensor]:
@@ -42,5 +46,18 @@ def compact_accepted(runner, step) -> int:
                 moves_dst.append(int(slot_mapping[req.qs + j]))
     if moves_src:
         for kv in attention_caches(runner):
-            copy_slots(kv, moves_src, moves_dst)
+            copy_kv_slots(kv, moves_src, moves_dst)
     return len(moves_src)
+
+
+def copy_kv_slots(kv_cache: torch.Tensor, src: list[int], dst: list[int],
+                  layout: str | None = None) -> None:
+    """K/V of slots `src` to slots `dst` in one layer's cache [nb, Hkv, bs, 2D]; layout
+    None: the CPU `vec` layout on CPU, vLLM's CUDA (`flash`) layout elsewhere."""
+    if (layout or ("vec" if kv_cache.device.type == "cpu" else "flash")) == "vec":
+        from .attention_cpu import copy_slots
+
+        copy_slots(kv_cache, src, dst)
+        return
+    k, v = tree_kernel.kv_views(kv_cache, kv_cache.shape[-1] // 2, "flash")
+    tree_kernel.copy_slots(k, v, src, dst)

@@ -235,9 +235,16 @@ TREE_PATCHES = [
 def install(tree_mode: bool) -> None:
     apply(WORKER_PATCHES)
     if tree_mode:
-        from .attention_cpu import register
+        from vllm.platforms import current_platform
 
-        register()
+        from . import attention_cpu, attention_cuda
+
+        # CUDA: the Triton tree kernel behind the stock backends; CPU: the chain cover, or the
+        # CUDA path's wrapper with the torch twin under TREEDRAFT_TREE_ATTENTION=kernel
+        if current_platform.is_cpu() and not attention_cuda.kernel_mode_on_cpu():
+            attention_cpu.register()
+        else:
+            attention_cuda.register()
         apply(TREE_PATCHES)
         # vLLM caches the backend choice per process: an engine built earlier in this process
         # (VLLM_ENABLE_V1_MULTIPROCESSING=0) must not hand this one the causal-only class.

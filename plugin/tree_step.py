@@ -46,6 +46,7 @@ class TreeStep:
     tree_layers: int = 0  # attention layers that ran tree attention on this step's trees
 
     _seqs: tuple | None = field(default=None, repr=False)  # (metadata, TreeSeqs)
+    _kernel_meta: object | None = field(default=None, repr=False)  # tree_kernel.TreeMeta
 
     @property
     def trees(self) -> list[TreeRequest]:
@@ -61,6 +62,16 @@ class TreeStep:
             self._seqs = (attn_metadata, TreeSeqs(self.trees, attn_metadata, block_size,
                                                   self.scratch))
         return self._seqs[1]
+
+    def kernel_meta(self, device):
+        """The trees as `tree_kernel.TreeMeta` on `device` (plugin/attention_cuda.py), built by
+        the first layer and shared by the others: one host-to-device copy per step."""
+        if self._kernel_meta is None:
+            from treedraft.plugin.tree_kernel import TreeMeta
+
+            self._kernel_meta = TreeMeta.build(
+                [(t.qs, t.root_pos, t.parents, t.req_index) for t in self.trees], device)
+        return self._kernel_meta
 
 
 def check_attended(step: TreeStep | None) -> None:

@@ -9,6 +9,7 @@
     treedraft bench                                 # vLLM: no-spec vs ngram vs chain vs trees
     treedraft load --url http://127.0.0.1:8000      # mixed request shapes against a vllm serve
     treedraft bundle runs/bundle --config R.yaml    # train on a GPU machine with nothing installed
+    treedraft selftest                              # tree-attention kernel vs its torch twin here
 """
 
 from __future__ import annotations
@@ -328,6 +329,47 @@ def cmd_bundle(args: argparse.Namespace) -> None:
 
 
 cmd_bundle.accepts_overrides = True  # --key=value training overrides, as for train
+
+
+def _selftest_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                   help="cache dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--heads", default="32,8,128", help="query heads, KV heads, head size "
+                   "(default Llama-3.1-8B's; on CPU 8,2,32 unless given)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--layout", default="LBNHC", choices=["LBNHC", "LBHNC"],
+                   help="physical order of vLLM's CUDA cache (LBHNC: FlashInfer on SM100)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+
+
+@command("selftest", _selftest_args)
+def cmd_selftest(args: argparse.Namespace) -> None:
+    """Tree-attention self-test: one synthetic tree step through the Triton kernel and its torch
+    twin, as an engine runs before its first tree step (CUDA if available, else CPU under the
+    Triton interpreter with small shapes); exits 1 on a mismatch."""
+    import json
+
+    import torch
+
+    from treedraft.plugin.attention_cuda import self_test
+
+    cuda = torch.cuda.is_available()
+    dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
+    hq, hkv, d = (int(x) for x in (args.heads if cuda or args.heads != "32,8,128"
+                                   else "8,2,32").split(","))
+    shape = (4, args.block_size, hkv, 2 * d) if args.layout == "LBNHC" else \
+        (4, hkv, args.block_size, 2 * d)
+    kv = torch.empty(shape, dtype=dtype, device="cuda" if cuda else "cpu")
+    kv = kv.transpose(1, 2) if args.layout == "LBNHC" else kv
+    try:
+        result = {"ok": True, **self_test(kv, hq, hkv, d)}
+    except NotImplementedError as e:
+        result = {"ok": False, "error": str(e)}
+    if cuda:
+        result["gpu"] = torch.cuda.get_device_name()
+    print(json.dumps(result) if args.json else "\n".join(f"{k}: {v}" for k, v in result.items()))
+    if not result["ok"]:
+        sys.exit(1)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,408 @@
+"""plugin/attention_cuda.py and the CUDA side of config.py / kv.py, on CPU (no GPU needed).
+
+Proves:
+- `TreeImplMixin.forward` around a stub stock impl: the tree rows of `output` become the tree
+  attention (torch twin and interpreted Triton kernel) equal to a dense fp32 SDPA over prefix
+  + ancestors; every other row (plain, chain, padding) keeps the stock bytes; `tree_layers`
+  counts the layer; a step without trees is the stock call alone; under a (mocked) CUDA stream
+  capture a tree step raises;
+- a tree-mode impl refuses, when built, a quantized KV cache, ALiBi, sliding window, soft cap,
+  sinks, KV sharing and non-decoder attention, naming the reason and "chain";
+- with the platform faked as CUDA: `_check_platform` allows branching trees (and refuses them
+  without triton or on other platforms), the VllmConfig patch sets cudagraph_mode PIECEWISE in
+  tree mode, refuses a quantized KV cache / DCP / DBO, and leaves chain engines and CPU alone;
+  `register()` puts the three subclasses in vLLM's registry, and each resolves to a subclass
+  of the stock backend whose impl is the mixin;
+- KV compaction: the `flash` layout copy (any stride order) equals ordered slot copies, and
+  the CPU `vec` path is the previous `attention_cpu.copy_slots` byte for byte;
+- `self_test` passes under the Triton interpreter in the LBNHC / LBHNC / vec layouts and
+  raises with the numbers on a broken kernel; `treedraft selftest` prints it with the device.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from treedraft.heads.tree import tree_buffers
+from treedraft.plugin import attention_cuda as ac
+from treedraft.plugin import tree_kernel as tk
+from treedraft.plugin import tree_step
+
+pytest.importorskip("triton")
+pytest.importorskip("vllm")
+
+STOCK = 3.0  # what the stub stock backend writes into every row
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+class StubImpl:
+    """A stock AttentionImpl stand-in: the attributes vLLM's impls have, a constant forward."""
+
+    def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes=None,
+                 sliding_window=None, kv_cache_dtype="auto", logits_soft_cap=None,
+                 attn_type="decoder", kv_sharing_target_layer_name=None, sinks=None):
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, scale
+        self.num_kv_heads, self.alibi_slopes, self.kv_cache_dtype = num_kv_heads, alibi_slopes, \
+            kv_cache_dtype
+        self.sliding_window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
+        self.logits_soft_cap, self.attn_type, self.sinks = logits_soft_cap, attn_type, sinks
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.calls = 0
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        self.calls += 1
+        return output.fill_(STOCK)
+
+
+def tree_impl_cls(impl: str):
+    return type("TreeStub", (ac.TreeImplMixin, StubImpl), {"tree_impl": impl})
+
+
+def make_step(hq=8, hkv=2, d=16, bs=16, dtype=torch.float32, seed=0):
+    """A step: plain row, tree (random, P=bs+1), chain, star (P=3bs+5), padding row; an LBNHC
+    cache with the prefixes' K/V and NaN elsewhere. Returns the pieces and a dense reference."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = random.Random(seed)
+    reqs = [("plain", None, 5), ("tree", [-1] + [rnd.randrange(i) for i in range(1, 9)], bs + 1),
+            ("chain", [-1, 0, 1, 2], 7), ("star", [-1, 0, 0, 0, 0], 3 * bs + 5)]
+    nb = 24
+    kv = torch.full((nb, bs, hkv, 2 * d), float("nan"), dtype=dtype).transpose(1, 2)
+    kc, vc = tk.kv_views(kv, d)
+    free = torch.randperm(nb, generator=g).tolist()
+    table = torch.zeros(len(reqs), 6, dtype=torch.int32)
+    step, qs, prefixes = None, 0, []
+    requests = {}
+    for i, (name, parents, P) in enumerate(reqs):
+        size = 1 if parents is None else len(parents)
+        k = -(-(P + size) // bs)
+        table[i, :k] = torch.tensor(free[:k])
+        free = free[k:]
+        pk = torch.randn(P, hkv, d, generator=g).to(dtype)
+        pv = torch.randn(P, hkv, d, generator=g).to(dtype)
+        slots = torch.arange(P)
+        kc[table[i, slots // bs].long(), :, slots % bs] = pk
+        vc[table[i, slots // bs].long(), :, slots % bs] = pv
+        prefixes.append((pk, pv))
+        if parents is not None:
+            depths = tree_buffers(parents).depths.tolist()
+            requests[i] = tree_step.TreeRequest(i, name, qs, P, [0] * size, parents, depths,
+                                                is_chain=name == "chain")
+        qs += size
+    T = qs + 1  # + a padding row
+    step = tree_step.TreeStep(T, requests)
+    q = torch.randn(T, hq, d, generator=g).to(dtype)
+    k = torch.randn(T, hkv, d, generator=g).to(dtype)
+    v = torch.randn(T, hkv, d, generator=g).to(dtype)
+    md = SimpleNamespace(block_table=table, num_actual_tokens=T)
+    tree_step.attach({"layer.0": md}, step)
+    ref = {}  # tree query row -> [Hq, D] dense fp32 SDPA over prefix + ancestors
+    for t in step.trees:
+        pk, pv = prefixes[t.req_index]
+        rows = slice(t.qs, t.qs + t.size)
+        kk = torch.cat([pk, k[rows]]).float().repeat_interleave(hq // hkv, 1).transpose(0, 1)
+        vv = torch.cat([pv, v[rows]]).float().repeat_interleave(hq // hkv, 1).transpose(0, 1)
+        mask = torch.cat([torch.ones(t.size, t.root_pos, dtype=torch.bool),
+                          tree_buffers(t.parents).ancestor_mask], 1)
+        o = F.scaled_dot_product_attention(q[rows].float().transpose(0, 1), kk, vv,
+                                           attn_mask=mask, scale=d ** -0.5)
+        for i in range(t.size):
+            ref[t.qs + i] = o[:, i]
+    return SimpleNamespace(q=q, k=k, v=v, kv=kv, md=md, step=step, ref=ref, hq=hq, hkv=hkv,
+                           d=d, T=T)
+
+
+# ----------------------------------------------------------------------------- the wrapper
+
+
+@pytest.mark.parametrize("impl,dtype", [("torch", torch.float32), ("triton", torch.float32),
+                                        ("triton", torch.bfloat16)])
+def test_wrapper_overwrites_tree_rows_only(impl, dtype):
+    s = make_step(dtype=dtype)
+    layer = tree_impl_cls(impl)(s.hq, s.d, s.d ** -0.5, s.hkv)
+    out = torch.empty(s.T, s.hq * s.d, dtype=dtype)  # vLLM hands [T, Hq * D]
+    layer.forward(None, s.q, s.k, s.v, s.kv, s.md, out)
+    assert layer.calls == 1 and s.step.tree_layers == 1
+    out = out.view(s.T, s.hq, s.d)
+    for row in range(s.T):
+        if row in s.ref:
+            err = ((out[row].float() - s.ref[row]).abs() / (1 + s.ref[row].abs())).max()
+            assert err <= TOL[dtype], (row, float(err))
+        else:  # plain, chain and padding rows: the stock bytes
+            assert (out[row] == STOCK).all(), row
+    assert len(s.ref) == 9 + 5
+
+
+def test_wrapper_without_trees_is_the_stock_call():
+    s = make_step()
+    layer = tree_impl_cls("torch")(s.hq, s.d, s.d ** -0.5, s.hkv)
+    tree_step.attach({"layer.0": s.md}, None)
+    out = torch.empty(s.T, s.hq, s.d)
+    layer.forward(None, s.q, s.k, s.v, s.kv, s.md, out)
+    assert (out == STOCK).all() and layer.calls == 1 and s.step.tree_layers == 0
+    layer.forward(None, s.q, s.k, s.v, s.kv, None, out)  # profiling run: no metadata
+    assert layer.calls == 2
+
+
+def test_wrapper_raises_under_stream_capture(monkeypatch):
+    s = make_step()
+    layer = tree_impl_cls("torch")(s.hq, s.d, s.d ** -0.5, s.hkv)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    out = torch.empty(s.T, s.hq, s.d)
+    with pytest.raises(RuntimeError, match="CUDA-graph capture.*PIECEWISE"):
+        layer.forward(None, s.q, s.k, s.v, s.kv, s.md, out)
+    assert layer.calls == 0 and s.step.tree_layers == 0
+    tree_step.attach({"layer.0": s.md}, None)  # capture of a step without trees: stock
+    layer.forward(None, s.q, s.k, s.v, s.kv, s.md, out)
+    assert layer.calls == 1
+
+
+@pytest.mark.parametrize("kwargs,reason", [
+    ({"kv_cache_dtype": "fp8_e4m3"}, "quantized KV cache"),
+    ({"kv_cache_dtype": "nvfp4"}, "quantized KV cache"),
+    ({"alibi_slopes": [0.5] * 8}, "ALiBi"),
+    ({"sliding_window": 128}, "sliding-window"),
+    ({"logits_soft_cap": 30.0}, "soft-capping"),
+    ({"sinks": torch.zeros(8)}, "sinks"),
+    ({"kv_sharing_target_layer_name": "model.layers.0.attn"}, "KV sharing"),
+    ({"attn_type": "encoder_decoder"}, "encoder_decoder attention"),
+])
+def test_tree_mode_impl_refusals(monkeypatch, kwargs, reason):
+    monkeypatch.setattr(ac, "_tree_mode_now", lambda: True)
+    with pytest.raises(NotImplementedError, match=f"(?s){reason}.*chain"):
+        tree_impl_cls("triton")(8, 16, 0.25, 2, **kwargs)
+
+
+def test_impl_refusals_only_in_tree_mode(monkeypatch):
+    cls = tree_impl_cls("triton")
+    cls(8, 16, 0.25, 2, sliding_window=128)  # no engine config: not a tree engine
+    monkeypatch.setattr(ac, "_tree_mode_now", lambda: True)
+    cls(8, 16, 0.25, 2)  # plain attention is served
+    assert cls(8, 16, 0.25, 2).fused_output_quant_supported(None) is False
+
+
+# ----------------------------------------------------------------------------- config on "CUDA"
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    return current_platform
+
+
+def spec(s):
+    from treedraft.heads.tree import parse_tree_spec
+
+    return parse_tree_spec(s)
+
+
+def test_check_platform_on_cuda(fake_cuda, monkeypatch):
+    import importlib.util
+
+    from treedraft.plugin.config import _check_platform
+
+    _check_platform(spec("[[0], [1], [0, 0]]"))  # branching: allowed on CUDA
+    _check_platform(spec("chain:3"))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda n, *a: None if n == "triton" else real(n, *a))
+    with pytest.raises(NotImplementedError, match="triton is not installed"):
+        _check_platform(spec("[[0], [1]]"))
+    _check_platform(spec("chain:3"))  # chains need no triton
+    monkeypatch.setattr(fake_cuda, "is_cuda", lambda: False)  # e.g. ROCm, XPU
+    with pytest.raises(NotImplementedError, match="CPU and CUDA backends only"):
+        _check_platform(spec("[[0], [1]]"))
+
+
+def fake_vllm_config(tree="[[0], [1], [0, 0]]", cache_dtype="auto", mode=None, **parallel):
+    from vllm.config import CUDAGraphMode
+
+    return SimpleNamespace(
+        additional_config={"treedraft": {"tree": tree}},
+        cache_config=SimpleNamespace(cache_dtype=cache_dtype),
+        parallel_config=SimpleNamespace(**parallel),
+        compilation_config=SimpleNamespace(
+            cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE if mode is None else mode))
+
+
+def run_config_patch(cfg):
+    """The patched VllmConfig method, on a stand-in config (the original a no-op)."""
+    ac._wrap_cudagraph_mode(lambda self: None)(cfg)
+    return cfg.compilation_config.cudagraph_mode
+
+
+def test_tree_mode_on_cuda_is_piecewise(fake_cuda):
+    from vllm.config import CUDAGraphMode as M
+
+    from treedraft.plugin import config, patching
+
+    assert run_config_patch(fake_vllm_config()) == M.PIECEWISE
+    assert run_config_patch(fake_vllm_config(mode=M.FULL)) == M.PIECEWISE
+    assert run_config_patch(fake_vllm_config(mode=M.FULL_DECODE_ONLY)) == M.NONE
+    assert run_config_patch(fake_vllm_config(mode=M.NONE)) == M.NONE
+    assert run_config_patch(fake_vllm_config(mode=M.PIECEWISE)) == M.PIECEWISE
+    # chains on CUDA: vLLM's own graphs, untouched
+    assert run_config_patch(fake_vllm_config(tree="chain:3")) == M.FULL_AND_PIECEWISE
+    # the patch is in the frontend list and its target exists in this vLLM
+    (p,) = [p for p in config.FRONTEND_PATCHES if p.make is ac._wrap_cudagraph_mode]
+    patching._resolve(p.target)
+
+
+def test_tree_mode_config_untouched_on_cpu():
+    from vllm.config import CUDAGraphMode as M
+
+    assert run_config_patch(fake_vllm_config()) == M.FULL_AND_PIECEWISE
+
+
+@pytest.mark.parametrize("kwargs,reason", [
+    ({"cache_dtype": "fp8"}, "quantized KV cache"),
+    ({"decode_context_parallel_size": 2}, "decode context parallelism"),
+    ({"prefill_context_parallel_size": 2}, "prefill context parallelism"),
+    ({"enable_dbo": True}, "dual-batch overlap"),
+])
+def test_cuda_startup_refusals(fake_cuda, kwargs, reason):
+    with pytest.raises(NotImplementedError, match=f"(?s){reason}.*chain"):
+        run_config_patch(fake_vllm_config(**kwargs))
+    run_config_patch(fake_vllm_config(tree="chain:3", **kwargs))  # chains: vLLM's business
+
+
+def test_register_puts_three_overrides(fake_cuda):
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum as E
+
+    try:
+        ac.register()
+        for name, (_, _, ours) in ac.BACKENDS.items():
+            assert E[name].get_path() == f"treedraft.plugin.attention_cuda.{ours}"
+        assert not E.CPU_ATTN.is_overridden()
+    finally:
+        for name in ac.BACKENDS:
+            E[name].clear_override()
+
+
+@pytest.mark.parametrize("name", ["FLASH_ATTN", "TRITON_ATTN", "FLASHINFER"])
+def test_backend_subclasses_resolve(name):
+    import importlib
+
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum as E
+    from vllm.v1.attention.backends.registry import register_backend
+
+    module, stock, ours = ac.BACKENDS[name]
+    try:
+        base = getattr(importlib.import_module(module), stock)
+    except ImportError as e:  # e.g. flashinfer not installed in this venv
+        pytest.skip(f"{name}: {e}")
+    cls = getattr(ac, ours)
+    assert issubclass(cls, base) and cls.get_name() == base.get_name()
+    assert issubclass(cls.get_impl_cls(), (ac.TreeImplMixin, base.get_impl_cls()))
+    assert issubclass(cls.get_impl_cls(), base.get_impl_cls())
+    assert issubclass(cls.get_builder_cls(), ac.TreeBuilderMixin)
+    try:  # what the registry's get_class() does with the registered path
+        register_backend(E[name], f"treedraft.plugin.attention_cuda.{ours}")
+        assert E[name].get_class() is cls
+    finally:
+        E[name].clear_override()
+
+
+def test_module_imports_no_cuda_backend():
+    import subprocess
+    import sys
+
+    code = ("import sys, treedraft.plugin.attention_cuda; "
+            "print([m for m in sys.modules if m.startswith('vllm.v1.attention.backends.')])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# ----------------------------------------------------------------------------- KV compaction
+
+
+@pytest.mark.parametrize("order", ["LBNHC", "LBHNC"])
+def test_flash_compaction_equals_ordered_copies(order):
+    from treedraft.plugin.kv import copy_kv_slots
+
+    nb, hkv, bs, d = 6, 2, 4, 8
+    phys = torch.randn(nb, bs, hkv, 2 * d) if order == "LBNHC" else torch.randn(nb, hkv, bs, 2 * d)
+    kv = phys.transpose(1, 2) if order == "LBNHC" else phys
+    src, dst = [5, 9, 10, 17], [3, 4, 5, 6]  # accepted a_j -> j: a_j >= j, increasing
+    want = kv.clone()
+    for s_, d_ in zip(src, dst, strict=True):
+        want[d_ // bs, :, d_ % bs] = want[s_ // bs, :, s_ % bs]
+    copy_kv_slots(kv, src, dst, layout="flash")
+    assert torch.equal(kv, want)
+
+
+def test_vec_compaction_is_unchanged():
+    from treedraft.plugin.attention_cpu import copy_slots
+    from treedraft.plugin.kv import compact_accepted
+
+    kv = torch.randn(5, 2, 4, 16)
+    runner = SimpleNamespace(
+        input_batch=SimpleNamespace(block_table=SimpleNamespace(block_tables=[
+            SimpleNamespace(slot_mapping=SimpleNamespace(cpu=torch.arange(8) + 1))])),
+        compilation_config=SimpleNamespace(static_forward_context={
+            "l0": SimpleNamespace(kv_cache=[kv])}))
+    step = tree_step.TreeStep(8, {0: tree_step.TreeRequest(0, "r", 1, 0, [0] * 6,
+                                                          [-1, 0, 0, 1, 1, 2], [0] * 6, False)})
+    step.accepted = {"r": [2, 5]}  # rows qs + 2, qs + 5 (slots 4, 7) -> rows qs + 1, 2 (3, 4)
+    want = kv.clone()
+    copy_slots(want, [4, 7], [3, 4])
+    assert compact_accepted(runner, step) == 2
+    assert torch.equal(kv, want)
+
+
+# ----------------------------------------------------------------------------- self-test
+
+
+@pytest.mark.parametrize("layout,dtype", [("LBNHC", torch.bfloat16), ("LBHNC", torch.float16),
+                                          ("vec", torch.float32)])
+def test_self_test_passes_under_interpreter(layout, dtype):
+    bs, hkv, d = 16, 2, 32
+    if layout == "LBNHC":
+        kv = torch.empty(4, bs, hkv, 2 * d, dtype=dtype).transpose(1, 2)
+    else:
+        kv = torch.empty(4, hkv, bs, 2 * d, dtype=dtype)
+    r = ac.self_test(kv, 8, hkv, d, layout="vec" if layout == "vec" else "flash")
+    assert r["max_rel_err"] <= r["tol"] and r["plain_rows_untouched"]
+    assert r["device"] == "cpu" and r["block_size"] == bs
+
+
+def test_self_test_refuses_a_broken_kernel(monkeypatch):
+    def broken(query, key, value, k_cache, v_cache, block_table, meta, scale, out, **kw):
+        tk.tree_attention_torch(query, key, value, k_cache, v_cache, block_table, meta, scale,
+                                out)
+        out[meta.rows.long()] += 0.25  # every tree row off
+        return out
+
+    monkeypatch.setitem(tk.IMPLS, "triton", broken)
+    kv = torch.empty(4, 16, 2, 64).transpose(1, 2)
+    with pytest.raises(NotImplementedError, match=r"self-test failed.*max_rel_err.*chain"):
+        ac.self_test(kv, 4, 2, 32)
+
+
+def test_wrapper_runs_the_self_test_once(monkeypatch):
+    calls = []
+    monkeypatch.setattr(ac, "self_test", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(ac, "_self_tested", set())
+    s = make_step()
+    layer = tree_impl_cls("triton")(s.hq, s.d, s.d ** -0.5, s.hkv)
+    for _ in range(2):
+        layer.forward(None, s.q, s.k, s.v, s.kv, s.md, torch.empty(s.T, s.hq, s.d))
+    assert len(calls) == 1 and s.step.tree_layers == 2
+
+
+def test_selftest_command(capsys):
+    from treedraft.scripts.cli import main
+
+    main(["selftest", "--dtype", "float32", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["device"] == "cpu" and out["ok"] is True
