@@ -73,6 +73,7 @@ def impl_refusals(impl) -> list[str]:
 
     window = getattr(impl, "sliding_window", None)
     dtype = str(getattr(impl, "kv_cache_dtype", "auto"))
+    attn_type = getattr(impl, "attn_type", "decoder")  # vLLM's AttentionType is a str enum
     checks = {
         f"a quantized KV cache (kv_cache_dtype={dtype!r})":
             dtype.startswith(("fp8", "nvfp4", "int")) or is_quantized_kv_cache(dtype),
@@ -83,8 +84,7 @@ def impl_refusals(impl) -> list[str]:
         or getattr(impl, "_sinks_source", None) is not None,
         "KV sharing across layers": getattr(impl, "kv_sharing_target_layer_name", None)
         is not None,
-        f"{getattr(impl, 'attn_type', 'decoder')} attention":
-            str(getattr(impl, "attn_type", "decoder")) != "decoder",
+        f"{getattr(attn_type, 'value', attn_type)} attention": attn_type != "decoder",
         "decode / prefill context parallelism": getattr(impl, "dcp_world_size", 1) > 1
         or getattr(impl, "pcp_world_size", 1) > 1,
         "chunked local attention": getattr(impl, "chunk_lookback", -1) not in (-1, None),
@@ -205,16 +205,18 @@ def kernel_mode_on_cpu() -> bool:
 def register() -> None:
     """Our subclasses over FLASH_ATTN, TRITON_ATTN and FLASHINFER (CPU_ATTN in kernel mode) in
     vLLM's backend registry; clears vLLM's per-process backend choice cache."""
+    from vllm.logger import init_logger
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     from vllm.v1.attention.selector import _cached_get_attn_backend
 
-    if current_platform.is_cpu():
-        register_backend(AttentionBackendEnum.CPU_ATTN, f"{__name__}.TreeCPUKernelBackend")
-    else:
-        for enum_name, (_, _, ours) in BACKENDS.items():
-            register_backend(AttentionBackendEnum[enum_name], f"{__name__}.{ours}")
+    ours = {"CPU_ATTN": "TreeCPUKernelBackend"} if current_platform.is_cpu() else \
+        {name: cls for name, (_, _, cls) in BACKENDS.items()}
+    for enum_name, cls in ours.items():
+        register_backend(AttentionBackendEnum[enum_name], f"{__name__}.{cls}")
     _cached_get_attn_backend.cache_clear()
+    init_logger("vllm.treedraft").info("treedraft tree attention kernel behind %s",
+                                       ", ".join(ours))
 
 
 # ----------------------------------------------------------------------------- start-up config

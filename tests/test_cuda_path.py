@@ -184,7 +184,11 @@ def test_impl_refusals_only_in_tree_mode(monkeypatch):
     cls = tree_impl_cls("triton")
     cls(8, 16, 0.25, 2, sliding_window=128)  # no engine config: not a tree engine
     monkeypatch.setattr(ac, "_tree_mode_now", lambda: True)
-    cls(8, 16, 0.25, 2)  # plain attention is served
+    from vllm.v1.attention.backend import AttentionType
+
+    cls(8, 16, 0.25, 2, attn_type=AttentionType.DECODER)  # plain attention is served
+    with pytest.raises(NotImplementedError, match="encoder attention"):
+        cls(8, 16, 0.25, 2, attn_type=AttentionType.ENCODER)
     assert cls(8, 16, 0.25, 2).fused_output_quant_supported(None) is False
 
 
@@ -406,3 +410,33 @@ def test_selftest_command(capsys):
     main(["selftest", "--dtype", "float32", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert out["device"] == "cpu" and out["ok"] is True
+
+
+# ----------------------------------------------------------------------------- a real engine
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_cpu_engine_through_the_kernel_wrapper_equals_no_speculation():
+    """TREEDRAFT_TREE_ATTENTION=kernel: a vLLM CPU engine runs TreeImplMixin around CPU_ATTN
+    (torch twin), with its step metadata and KV compaction: greedy output == no speculation."""
+    from transformers import AutoTokenizer
+
+    from treedraft.scripts.engine import run_engine
+    from treedraft.training.models import resolve_model
+
+    target = str(resolve_model("smollm2-135m"))
+    tok = AutoTokenizer.from_pretrained(target)
+    texts = ["The sea is blue and the sky is blue. The sea is",
+             "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n",
+             "Paris is the capital of France. Berlin is the capital of"]
+    job = {"name": "greedy", "prompts": [tok(t).input_ids for t in texts],
+           "params": {"temperature": 0, "max_tokens": 32}}
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", ac.ATTENTION_ENV: "kernel"}
+    base, _ = run_engine(target, None, [job], env=env, background_shutdown=True)
+    tree, log = run_engine(target, {"model": "smollm2-135m-eagle",
+                                    "tree": "dynamic:10,3,3+lookup:6"},
+                           [job], env=env, background_shutdown=True)
+    assert "tree attention kernel behind CPU_ATTN" in log
+    assert tree["greedy"]["spec"]["accepted"] > 0
+    assert tree["greedy"]["tokens"] == base["greedy"]["tokens"]
