@@ -334,8 +334,8 @@ cmd_bundle.accepts_overrides = True  # --key=value training overrides, as for tr
 def _selftest_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                    help="cache dtype (default: bfloat16 on CUDA, float32 on CPU)")
-    p.add_argument("--heads", default="32,8,128", help="query heads, KV heads, head size "
-                   "(default Llama-3.1-8B's; on CPU 8,2,32 unless given)")
+    p.add_argument("--heads", default=None, help="query heads, KV heads, head size (default: "
+                   "Llama-3.1-8B's 32,8,128 on CUDA, 8,2,32 on CPU)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--layout", default="LBNHC", choices=["LBNHC", "LBHNC"],
                    help="physical order of vLLM's CUDA cache (LBHNC: FlashInfer on SM100)")
@@ -355,8 +355,7 @@ def cmd_selftest(args: argparse.Namespace) -> None:
 
     cuda = torch.cuda.is_available()
     dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
-    hq, hkv, d = (int(x) for x in (args.heads if cuda or args.heads != "32,8,128"
-                                   else "8,2,32").split(","))
+    hq, hkv, d = (int(x) for x in (args.heads or ("32,8,128" if cuda else "8,2,32")).split(","))
     shape = (4, args.block_size, hkv, 2 * d) if args.layout == "LBNHC" else \
         (4, hkv, args.block_size, 2 * d)
     kv = torch.empty(shape, dtype=dtype, device="cuda" if cuda else "cpu")
