@@ -262,6 +262,35 @@ def test_tree_mode_on_cuda_is_piecewise(fake_cuda):
     patching._resolve(p.target)
 
 
+def test_real_engine_config_goes_through_the_patch(fake_cuda, monkeypatch):
+    """EngineArgs.create_engine_config (frontend) on "CUDA": the patched VllmConfig hook sees
+    PIECEWISE in tree mode (the CPU platform's later hooks then turn graphs off here), keeps
+    vLLM's default for a chain, and refuses an fp8 KV cache at start-up."""
+    from vllm.config import CUDAGraphMode as M
+    from vllm.engine.arg_utils import EngineArgs
+
+    from treedraft.training.models import resolve_model
+
+    seen = []
+    real = ac.piecewise_in_tree_mode
+
+    def spy(cfg):
+        real(cfg)
+        seen.append(cfg.compilation_config.cudagraph_mode)
+
+    monkeypatch.setattr(ac, "piecewise_in_tree_mode", spy)
+
+    def build(spec, **kw):
+        return EngineArgs(model=str(resolve_model("smollm2-135m")), speculative_config=spec,
+                          dtype="float32", max_model_len=1024, **kw).create_engine_config()
+
+    build({"model": "smollm2-135m-eagle", "tree": "dynamic:8,3,3"})
+    build({"model": "smollm2-135m-eagle", "num_speculative_tokens": 3})
+    assert seen == [M.PIECEWISE, M.FULL_AND_PIECEWISE]
+    with pytest.raises(NotImplementedError, match="trees on CUDA do not support a quantized KV"):
+        build({"model": "smollm2-135m-eagle", "tree": "dynamic:8,3,3"}, kv_cache_dtype="fp8")
+
+
 def test_tree_mode_config_untouched_on_cpu():
     from vllm.config import CUDAGraphMode as M
 
