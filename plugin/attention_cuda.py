@@ -158,12 +158,16 @@ class TreeBuilderMixin:
 def subclass_backend(base: type, name: str, impl_attrs: dict | None = None) -> type:
     """`base` (a vLLM AttentionBackend) with our impl and builder mixins, named `name`."""
     impl_base, builder_base = base.get_impl_cls(), base.get_builder_cls()
+    # qualnames that pickle can resolve: module.<name>.tree_impl_cls (module __getattr__)
     impl = type(f"Tree{impl_base.__name__}", (TreeImplMixin, impl_base),
-                {"__module__": __name__, **(impl_attrs or {})})
+                {"__module__": __name__, "__qualname__": f"{name}.tree_impl_cls",
+                 **(impl_attrs or {})})
     builder = type(f"Tree{builder_base.__name__}", (TreeBuilderMixin, builder_base),
-                   {"__module__": __name__})
+                   {"__module__": __name__, "__qualname__": f"{name}.tree_builder_cls"})
     return type(name, (base,), {
         "__module__": __name__,
+        "tree_impl_cls": impl,
+        "tree_builder_cls": builder,
         "get_impl_cls": staticmethod(lambda: impl),
         "get_builder_cls": staticmethod(lambda: builder),
     })
@@ -193,9 +197,11 @@ def cpu_kernel_backend() -> type:
 
     base = TreeCPUAttentionBackend.get_impl_cls().__mro__[1]  # the stock CPU impl
     impl = type("TreeKernelCPUAttentionImpl", (TreeImplMixin, base),
-                {"__module__": __name__, "tree_impl": "torch", "kv_layout": "vec"})
+                {"__module__": __name__, "__qualname__": "TreeCPUKernelBackend.tree_impl_cls",
+                 "tree_impl": "torch", "kv_layout": "vec"})
     return type("TreeCPUKernelBackend", (TreeCPUAttentionBackend,), {
-        "__module__": __name__, "get_impl_cls": staticmethod(lambda: impl)})
+        "__module__": __name__, "tree_impl_cls": impl,
+        "get_impl_cls": staticmethod(lambda: impl)})
 
 
 def kernel_mode_on_cpu() -> bool:

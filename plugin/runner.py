@@ -237,12 +237,14 @@ def install(tree_mode: bool) -> None:
     if tree_mode:
         from vllm.platforms import current_platform
 
-        from . import attention_cpu, attention_cuda
+        from . import attention_cuda
 
         # CUDA: the Triton tree kernel behind the stock backends; CPU: the chain cover, or the
         # CUDA path's wrapper with the torch twin under TREEDRAFT_TREE_ATTENTION=kernel
         if current_platform.is_cpu() and not attention_cuda.kernel_mode_on_cpu():
-            attention_cpu.register()
+            from .attention_cpu import register  # imports vLLM's CPU backend: CPU only
+
+            register()
         else:
             attention_cuda.register()
         apply(TREE_PATCHES)

@@ -22,6 +22,7 @@ Proves:
 from __future__ import annotations
 
 import json
+import pickle
 import random
 from types import SimpleNamespace
 
@@ -339,6 +340,8 @@ def test_backend_subclasses_resolve(name):
     assert issubclass(cls.get_impl_cls(), (ac.TreeImplMixin, base.get_impl_cls()))
     assert issubclass(cls.get_impl_cls(), base.get_impl_cls())
     assert issubclass(cls.get_builder_cls(), ac.TreeBuilderMixin)
+    for c in (cls, cls.get_impl_cls(), cls.get_builder_cls()):  # pickled by reference
+        assert pickle.loads(pickle.dumps(c)) is c
     try:  # what the registry's get_class() does with the registered path
         register_backend(E[name], f"treedraft.plugin.attention_cuda.{ours}")
         assert E[name].get_class() is cls
@@ -354,6 +357,19 @@ def test_module_imports_no_cuda_backend():
             "print([m for m in sys.modules if m.startswith('vllm.v1.attention.backends.')])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_cpu_kernel_backend_is_the_mixin_around_cpu_attn():
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    from treedraft.plugin.attention_cpu import TreeCPUAttentionBackend
+
+    cls = ac.TreeCPUKernelBackend
+    impl = cls.get_impl_cls()
+    assert issubclass(cls, TreeCPUAttentionBackend)
+    assert impl.__mro__[1:3] == (ac.TreeImplMixin, CPUAttentionBackendImpl)
+    assert (impl.tree_impl, impl.kv_layout) == ("torch", "vec")
+    assert pickle.loads(pickle.dumps(impl)) is impl
 
 
 # ----------------------------------------------------------------------------- KV compaction
@@ -469,3 +485,4 @@ def test_cpu_engine_through_the_kernel_wrapper_equals_no_speculation():
     assert "tree attention kernel behind CPU_ATTN" in log
     assert tree["greedy"]["spec"]["accepted"] > 0
     assert tree["greedy"]["tokens"] == base["greedy"]["tokens"]
+
