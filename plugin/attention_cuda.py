@@ -121,6 +121,9 @@ class TreeImplMixin:
                 "treedraft: a step with branching trees reached attention during CUDA-graph "
                 "capture; a graph replay would skip the tree rows. Tree mode needs "
                 "cudagraph_mode=PIECEWISE (set at start-up): please report this configuration")
+        if key is None or value is None:  # KV sharing / cross-attention: refused at build
+            raise NotImplementedError("treedraft tree attention needs this step's key and value "
+                                      "rows; use a chain ('chain:K')")
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("treedraft tree attention does not fuse output "
                                       "quantization; use a chain ('chain:K')")
