@@ -32,6 +32,7 @@ HEAD_TYPES = ("eagle", "medusa")
 GEN_ENGINES = ("transformers", "vllm")
 DTYPES = ("float32", "bfloat16")
 COMPUTE_DTYPES = ("auto", *DTYPES)  # auto: from the machine (heads/machine.py)
+TARGET_DTYPES = ("auto", "float32", "bfloat16", "float16")
 LONG_PROMPTS = ("error", "skip")
 SCHEDULES = ("cosine", "wsd")
 OOV_ROWS = ("keep", "mask")
@@ -47,6 +48,15 @@ class TrainConfig:
     #   eagle: target_layer_ids, draft_vocab_size, intermediate_size; medusa: num_heads, num_layers
     init_from: str | None = None  # start from this head's weights (folder or shipped name; same
     #   head_type and shape), e.g. to continue a finished run with a new schedule or more data
+    #   A NEW eagle head (no init_from, no --resume) defaults to EAGLE-3 (exportable to stock
+    #   vLLM): layout eagle3, fuse_norm true, target_layer_ids auto = (2, L//2, L-3), vLLM's
+    #   default auxiliary layers (heads/speculators.py default_layer_ids; clamped into 0..L-1
+    #   for targets of fewer than 7 layers); `head:` keys override each
+    target_dtype: str = "auto"  # the target's weights: auto | float32 | bfloat16 | float16.
+    #   auto: the run's compute dtype on a GPU (bfloat16: 16 GB for an 8B target, not 32),
+    #   float32 on a CPU (torch's bf16 GEMMs are slower there except with AMX)
+    memory_check: bool = True  # print the memory estimate (target weights + head + optimizer +
+    #   activations) before loading and refuse a run that would not fit the GPU (or the RAM)
     # --- data
     data: str = "sharegpt"  # sharegpt | humaneval | FILE.jsonl (never mtbench)
     num_prompts: int = 1000  # training prompts (the first ones of `data`, MT-bench rows dropped)
@@ -62,6 +72,12 @@ class TrainConfig:
     #   gen_temperature. Each temperature has its own reply cache (shared with single-T runs)
     gen_max_new_tokens: int = 256
     gen_batch_size: int = 16
+    gen_tensor_parallel_size: int = 1  # vllm engine: GPUs the generation engine shards the
+    #   target over (vLLM's tensor_parallel_size); single-process runs only (see gen_only)
+    gen_gpu_memory_utilization: float = 0.9  # vllm engine: share of the GPU vLLM may take; it
+    #   starts before the training target loads and is shut down before it does
+    gen_only: bool = False  # write the replies, then stop before the training target loads:
+    #   generate once with a vLLM engine over all GPUs, then train under torchrun on the cache
     gen_time_limit_minutes: float | None = None  # stop writing replies after this long and train
     #   on those written (prompts taken in data order, length-sorted within windows, so a cut
     #   keeps an unbiased sample; held-out prompts first); None = answer every prompt
@@ -139,6 +155,7 @@ class TrainConfig:
     def validate(self) -> None:
         """Raise ValueError naming the bad key and its valid values."""
         choices = {"head_type": HEAD_TYPES, "gen_engine": GEN_ENGINES, "dtype": COMPUTE_DTYPES,
+                   "target_dtype": TARGET_DTYPES,
                    "cache_dtype": DTYPES, "long_prompts": LONG_PROMPTS, "schedule": SCHEDULES,
                    "oov_rows": OOV_ROWS}
         for key, valid in choices.items():
@@ -146,7 +163,7 @@ class TrainConfig:
                 raise ValueError(f"{key}={getattr(self, key)!r}; valid values: {', '.join(valid)}")
         positive = ["num_prompts", "gen_max_new_tokens", "gen_batch_size", "max_seq_len",
                     "batch_size", "length_buckets", "grad_accum", "unroll_steps", "acceptance_depth",
-                    "acceptance_topk", "cache_topk"]
+                    "acceptance_topk", "cache_topk", "gen_tensor_parallel_size"]
         for key in positive:
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
@@ -162,6 +179,9 @@ class TrainConfig:
         if self.gen_time_limit_minutes is not None and self.gen_time_limit_minutes <= 0:
             raise ValueError(f"gen_time_limit_minutes={self.gen_time_limit_minutes} must be > 0 "
                              "(or none: answer every prompt)")
+        if not 0 < self.gen_gpu_memory_utilization <= 1:
+            raise ValueError(f"gen_gpu_memory_utilization={self.gen_gpu_memory_utilization} must "
+                             "be in (0, 1]: the share of the GPU the vLLM engine may take")
         if self.eval_max_new_tokens < 0:
             raise ValueError(f"eval_max_new_tokens={self.eval_max_new_tokens} must be >= 0 "
                              "(0 = no run_eval at the end)")
@@ -190,12 +210,24 @@ class TrainConfig:
         the i-th mod n) or the single `gen_temperature`."""
         return [self.gen_temperature] if self.gen_temperatures is None else self.gen_temperatures
 
-    def compute_dtype(self, device: Any = "cpu", workload: str = "train") -> str:
-        """`dtype` with 'auto' resolved for this machine ('bfloat16' or 'float32'): training's
-        torch GEMMs by default, `workload='serve'` for a vLLM engine (generation)."""
+    def compute_dtype(self, device: Any = None, workload: str = "train") -> str:
+        """`dtype` with 'auto' resolved for the device that runs the work ('bfloat16' or
+        'float32'): training's torch GEMMs by default, `workload='serve'` for a vLLM engine
+        (generation). device None: a GPU where one is visible, else this CPU (its flags)."""
         from treedraft.heads.machine import resolve_dtype
 
-        return resolve_dtype(self.dtype, device, workload=workload)
+        return resolve_dtype(self.dtype, work_device(device), workload=workload)
+
+    def target_torch_dtype(self, device: Any = None) -> Any:
+        """The torch dtype the target's weights load in on `device` (`target_dtype`)."""
+        import torch
+
+        device = work_device(device)
+        if self.target_dtype != "auto":
+            return getattr(torch, self.target_dtype)
+        if device.type == "cuda":
+            return getattr(torch, self.compute_dtype(device))
+        return torch.float32
 
     def loss_weights(self, n: int, what: str) -> list[float]:
         """Weight of each of the n loss terms (EAGLE unroll steps / Medusa heads)."""
@@ -213,12 +245,22 @@ class TrainConfig:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
 
 
+def work_device(device: Any = None) -> Any:
+    """`device` as a torch.device; None: cuda where a GPU is visible, else cpu."""
+    import torch
+
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
 # Keys a --resume may change: they do not alter the math of the steps already taken.
 RESUMABLE_KEYS = frozenset({
     "out_dir", "data_dir", "max_steps", "epochs", "eval_every", "measure_every", "eval_tree",
     "eval_max_new_tokens",
     "eval_temperature", "save_every", "keep_checkpoints", "stop_after_steps",
     "time_limit_minutes", "progress", "acceptance_depth", "acceptance_topk", "num_threads",
+    "memory_check", "gen_only", "gen_tensor_parallel_size", "gen_gpu_memory_utilization",
 })
 
 

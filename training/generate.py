@@ -156,10 +156,10 @@ def _cache_path(loaded, cfg: TrainConfig, data_dir: Path) -> tuple[Path, dict]:
     # stage folders (the replies a GPU run sent back are reused by the next bundle), its
     # weights do not
     ident = loaded.name if loaded.name in EMBEDDED_MODELS else loaded.path
-    meta = {"target": ident, "signature": target_signature(loaded.model, loaded.tokenizer)
+    meta = {"target": ident, "signature": target_signature(loaded.config, loaded.tokenizer)
             .to_dict(), "engine": cfg.gen_engine, "temperature": cfg.gen_temperature,
             "max_new_tokens": cfg.gen_max_new_tokens, "seed": cfg.seed,
-            "dtype": cfg.compute_dtype(loaded.model.device) if cfg.gen_engine == "transformers"
+            "dtype": generation_dtype(loaded, cfg) if cfg.gen_engine == "transformers"
             else "engine"}
     digest = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:12]
     return data_dir / f"gen-{digest}.jsonl", meta
@@ -255,33 +255,49 @@ def _generate(loaded, cfg: TrainConfig, groups: list, done: dict, n_temps: int) 
     order = [b[r] for r in range(max(map(len, batches))) for b in batches if r < len(b)]
     deadline = None if cfg.gen_time_limit_minutes is None else (
         time.perf_counter() + 60 * cfg.gen_time_limit_minutes)
-    for t, path, part in order:
-        if deadline is not None and time.perf_counter() > deadline:
-            break
-        replies = generate([ids for _, ids in part], t)
-        lines = []
-        for (rid, _), reply in zip(part, replies, strict=True):
-            done[rid] = reply
-            lines.append(json.dumps({"id": rid, "reply": reply}) + "\n")
-        if path:
-            with path.open("a") as f:
-                f.writelines(lines)
-        bar.update(len(part))
-    bar.close()
+    try:
+        for t, path, part in order:
+            if deadline is not None and time.perf_counter() > deadline:
+                break
+            replies = generate([ids for _, ids in part], t)
+            lines = []
+            for (rid, _), reply in zip(part, replies, strict=True):
+                done[rid] = reply
+                lines.append(json.dumps({"id": rid, "reply": reply}) + "\n")
+            if path:
+                with path.open("a") as f:
+                    f.writelines(lines)
+            bar.update(len(part))
+    finally:
+        bar.close()
+        # an engine that loaded its own copy of the target frees it: the training target
+        # loads only after this returns
+        getattr(generate, "close", lambda: None)()
+
+
+def generation_dtype(loaded, cfg: TrainConfig) -> str:
+    """The dtype the transformers engine generates in: the run's compute dtype on the target's
+    device (bf16 on a GPU or an AMX CPU: decoding is bound by reading the weights, which bf16
+    halves). Part of the reply cache's key."""
+    return cfg.compute_dtype(loaded.device)
 
 
 def transformers_engine(loaded, cfg: TrainConfig):
     """Batched `generate` with left padding; replies cut after the first EOS.
 
-    With dtype=bfloat16 a bf16 copy of the target generates: decoding on CPU is bound by
-    reading the weights, which bf16 halves (~2x at batch 64)."""
-    import copy
-
+    The training loop hands a target without weights (`open_target`): the engine loads it in
+    `generation_dtype` and `generate.close()` frees it before the training target loads, so one
+    copy of the target is resident at a time. A loaded target is used as it is where its dtype
+    is the generation dtype, else the engine loads its own copy in that dtype."""
     from transformers import GenerationConfig
 
-    model, tok = loaded.model, loaded.tokenizer
-    if cfg.compute_dtype(model.device) == "bfloat16":
-        model = copy.deepcopy(model).to(torch.bfloat16)
+    from .target import load_target
+
+    tok = loaded.tokenizer
+    dtype = getattr(torch, generation_dtype(loaded, cfg))
+    own = loaded.model is None or next(loaded.model.parameters()).dtype != dtype
+    model = (load_target(loaded.path, dtype=dtype, device=loaded.device).model if own
+             else loaded.model)
     eos = tok.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos
     device = next(model.parameters()).device
@@ -310,4 +326,11 @@ def transformers_engine(loaded, cfg: TrainConfig):
             replies.append(row[:cut])
         return replies
 
+    def close() -> None:
+        nonlocal model
+        model = None
+        if own and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    generate.close = close
     return generate

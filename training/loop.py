@@ -45,6 +45,7 @@ from .distributed import Dist, all_sum, barrier, setup_distributed, wrap_ddp
 from .features import FeatureCache, TargetFeatures
 from .generate import Seq, build_sequences
 from .losses import acceptance_rates, eagle_loss, medusa_loss, rank_hits, soft_kl
+from .target import head_overrides
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,19 @@ def check_head_overrides(cfg: TrainConfig) -> None:
     if unknown:
         raise ValueError(f"unknown {cfg.head_type} head keys {unknown} in head: ...; valid: "
                          f"{sorted(fields - {'target'})}")
+
+
+CONTINUED_KEYS = ("layout", "fuse_norm", "norm_before_fc", "target_layer_ids")
+
+
+def continued_defaults(name_or_path) -> dict:
+    """The layout keys of the head a run continues (init_from, or the checkpoint it resumes):
+    its defaults, so a continued head keeps the shape it was trained with."""
+    from treedraft.heads import load_head
+    from treedraft.heads.shipped import resolve_head
+
+    config = load_head(resolve_head(name_or_path)).config.to_dict()
+    return {k: config[k] for k in CONTINUED_KEYS if k in config}
 
 
 def load_rows(cfg: TrainConfig) -> tuple[list, list]:
@@ -218,7 +232,8 @@ def train(cfg: TrainConfig, resume: str | os.PathLike | None = None) -> Path | N
 
     from treedraft.heads.machine import describe
 
-    from .target import init_head, load_target
+    from .preflight import check_architecture, check_memory, estimate_memory
+    from .target import bind_head, load_target, new_head, open_target
 
     cfg.validate()
     check_head_overrides(cfg)
@@ -232,16 +247,28 @@ def train(cfg: TrainConfig, resume: str | os.PathLike | None = None) -> Path | N
     out = Path(cfg.out_dir)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
-    loaded = load_target(cfg.target)
-    loaded.model.to(d.device)
-    head = init_head(cfg.head_type, loaded.model, loaded.tokenizer, **cfg.head).to(d.device)
+    # the target's config and tokenizer only: its weights load after the replies are written
+    spec = open_target(cfg.target, d.device)
+    continued = ckpt or cfg.init_from
+    overrides = head_overrides(cfg.head_type, spec.config, {
+        **(continued_defaults(continued) if continued else {}), **cfg.head}, new=not continued)
+    check_architecture(cfg, spec.config, overrides)
+    head = new_head(cfg.head_type, spec.config, spec.tokenizer, **overrides)
     if cfg.init_from and ckpt is None:  # a resume loads its own weights
         init_weights(head, cfg.init_from)  # before the data: a mismatch fails fast
     objective = Objective(head, cfg)  # checks step_weights against the head
+    check_memory(cfg, estimate_memory(cfg, spec.config, head, d.device), d.main)
     # a resumed run whose reply generation was cut sees the replies it trained on, no more
     train_seqs, eval_seqs, eval_rows = prepare_data(
-        cfg, loaded, d, cache_only=cfg.gen_cache_only or (
+        cfg, spec, d, cache_only=cfg.gen_cache_only or (
             ckpt is not None and cfg.gen_time_limit_minutes is not None))
+    if cfg.gen_only:
+        if d.main:
+            print(f"[treedraft] gen_only: {len(train_seqs) + len(eval_seqs)} sequences' replies "
+                  "are in the reply cache; run again without --gen-only=true to train", flush=True)
+        return None
+    loaded = load_target(cfg.target, dtype=cfg.target_torch_dtype(d.device), device=d.device)
+    head = bind_head(head.to(d.device), loaded.model)
     vd = getattr(head.config, "draft_vocab_size", None)
     if vd is not None and not cfg.init_from:
         head.set_draft_vocab(choose_draft_vocab(train_seqs, head.config.target.vocab_size, vd))
@@ -445,6 +472,9 @@ def make_batches(cfg: TrainConfig, model, head, seqs: list[Seq], out: Path | Non
                                 autocast_dtype=autocast, compile=cfg.compile)
         fp = {"target": cfg.target, "layers": list(layer_ids), "topk": cfg.cache_topk,
               "final": need_final, "dtype": cfg.cache_dtype}
+        weights = str(next(model.parameters()).dtype).removeprefix("torch.")
+        if weights != "float32":  # caches of float32 targets keep their fingerprint
+            fp["target_dtype"] = weights
         return FeatureCache(out / "features", seqs, source, batch_size=cfg.batch_size,
                             dtype=getattr(torch, cfg.cache_dtype), fingerprint=fp, t2d=t2d,
                             progress=cfg.progress)

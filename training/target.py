@@ -21,14 +21,36 @@ from treedraft.heads.shipped import resolve_head
 
 @dataclass
 class LoadedTarget:
-    model: torch.nn.Module
+    model: torch.nn.Module | None  # None: weights not loaded (`open_target`)
     tokenizer: object
     path: str
     name: str = ""  # what the user named (an embedded model's short name, a folder, a hub id)
+    config: object = None  # the transformers config (the model's when loaded)
+    device: torch.device | None = None  # where the work on this target runs (model's if loaded)
+
+    def __post_init__(self) -> None:
+        if self.model is not None:
+            self.config = self.model.config
+            self.device = next(self.model.parameters()).device
+        self.device = torch.device(self.device or "cpu")
 
 
-def load_target(name_or_path: str, *, dtype: torch.dtype = torch.float32) -> LoadedTarget:
-    """Load a causal LM and its tokenizer from a short name, HF folder or hub id."""
+def open_target(name_or_path: str, device: torch.device | str | None = None) -> LoadedTarget:
+    """A target's tokenizer and config without its weights: what the run checks, sizes and
+    generates replies from before any copy of the target is resident."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from .models import resolve_model
+
+    path = resolve_model(name_or_path)
+    return LoadedTarget(None, AutoTokenizer.from_pretrained(path), path, str(name_or_path),
+                        config=AutoConfig.from_pretrained(path), device=device)
+
+
+def load_target(name_or_path: str, *, dtype: torch.dtype = torch.float32,
+                device: torch.device | str | None = None) -> LoadedTarget:
+    """Load a causal LM (frozen, in `dtype`, onto `device`) and its tokenizer from a short name,
+    HF folder or hub id."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .models import resolve_model
@@ -36,12 +58,15 @@ def load_target(name_or_path: str, *, dtype: torch.dtype = torch.float32) -> Loa
     path = resolve_model(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    if device is not None:
+        model.to(device)
     model.eval().requires_grad_(False)
     return LoadedTarget(model, tokenizer, path, str(name_or_path))
 
 
-def target_signature(model: torch.nn.Module, tokenizer) -> TargetSignature:
-    cfg = model.config
+def target_signature(model, tokenizer) -> TargetSignature:
+    """The signature of a target given as a model or its transformers config."""
+    cfg = getattr(model, "config", model)
     return TargetSignature(
         architecture=(cfg.architectures or [type(model).__name__])[0],
         hidden_size=cfg.hidden_size,
@@ -117,14 +142,42 @@ def _rope_theta(cfg) -> float:
     return float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
 
 
+def auto_layer_ids(num_layers: int) -> tuple[int, ...]:
+    """`target_layer_ids: auto`: vLLM's default EAGLE-3 auxiliary layers (2, L//2, L-3), clamped
+    into 0..L-1 and deduplicated for targets too shallow for three distinct ones (L < 7)."""
+    from treedraft.heads.speculators import default_layer_ids
+
+    return tuple(sorted({min(max(i, 0), num_layers - 1) for i in default_layer_ids(num_layers)}))
+
+
+# A new EAGLE head's defaults where `head:` names none: EAGLE-3, exportable to stock vLLM.
+NEW_EAGLE_DEFAULTS = {"layout": "eagle3", "fuse_norm": True, "target_layer_ids": "auto"}
+
+
+def head_overrides(kind: str, hf_config, head: dict, new: bool) -> dict:
+    """The head-config overrides a run builds its head with: `head` with `target_layer_ids:
+    auto` resolved, over NEW_EAGLE_DEFAULTS for a new EAGLE head (`new`: no init_from, no
+    resume; a continued head keeps the config defaults it was trained with)."""
+    out = {**(NEW_EAGLE_DEFAULTS if kind == "eagle" and new else {}), **head}
+    if out.get("target_layer_ids") == "auto":
+        out["target_layer_ids"] = list(auto_layer_ids(hf_config.num_hidden_layers))
+    return out
+
+
 def init_head(kind: str, model: torch.nn.Module, tokenizer, **overrides):
     """A new (untrained) head of ``kind`` ('eagle' | 'medusa') shaped for ``model`` and bound to
     its embeddings and LM head. ``overrides`` set config fields (e.g. target_layer_ids)."""
+    return bind_head(new_head(kind, model.config, tokenizer, **overrides), model)
+
+
+def new_head(kind: str, hf_config, tokenizer, **overrides):
+    """A new head of ``kind`` shaped for a target with transformers config ``hf_config``, not
+    bound to its weights yet (`bind_head` once the target is loaded)."""
     from treedraft.heads.common import HEADS, load_head  # noqa: F401  (fills the registry)
     from treedraft.heads.eagle import EagleConfig, EagleHead
     from treedraft.heads.medusa import MedusaConfig, MedusaHeads
 
-    cfg, sig = model.config, target_signature(model, tokenizer)
+    cfg, sig = hf_config, target_signature(hf_config, tokenizer)
     if kind == "eagle":
         config = EagleConfig(**{
             "hidden_size": cfg.hidden_size,
@@ -144,7 +197,6 @@ def init_head(kind: str, model: torch.nn.Module, tokenizer, **overrides):
         head = MedusaHeads(config)
     else:
         raise ValueError(f"unknown head kind {kind!r}; use 'eagle' or 'medusa'")
-    bind_head(head, model)
     return head
 
 
