@@ -329,8 +329,12 @@ def transformers_engine(loaded, cfg: TrainConfig):
     def close() -> None:
         nonlocal model
         model = None
-        if own and torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        if own:
+            import gc
+
+            gc.collect()  # the copy is gone before the training target loads
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
     generate.close = close
     return generate
