@@ -10,7 +10,9 @@ soft labels are the target's own (hidden_states layers, next-token log-probs, Me
 config files + --key=value overrides are typed, with dashed, underscored and Hugging Face
 spellings of a key setting the same field; every bad input fails with a clear error before
 the expensive part (unknown key, unknown head type/key, empty data, too-long prompts, resume
-with a different config).
+with a different config); the target's dtype and the vLLM engine's follow the device that runs
+the work, and the replies are written by an engine copy of the target that is freed before the
+training copy loads (one copy at a time); a new EAGLE head is EAGLE-3.
 """
 
 from __future__ import annotations
@@ -741,3 +743,53 @@ def test_vllm_generation_engine_runs_in_the_runs_serving_dtype(dtype):
     kwargs = llm_kwargs(SimpleNamespace(path="/some/target"), cfg)
     assert kwargs["dtype"] == resolve_dtype(dtype) == cfg.compute_dtype(workload="serve")
     assert kwargs["model"] == "/some/target" and kwargs["max_model_len"] == 128
+
+
+def test_target_dtype_and_generation_follow_the_device_that_runs_the_work(monkeypatch):
+    """auto: the target in bf16 on a GPU (16 GB for an 8B model, not 32), float32 on a CPU; the
+    vLLM engine's dtype from the GPU it runs on, not the host CPU's flags; its tensor parallel
+    size and memory share are the run's; a GPU without that share free is refused first."""
+    from types import SimpleNamespace
+
+    from treedraft.plugin.generate import check_gpu_memory, llm_kwargs
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    cfg = TrainConfig(gen_tensor_parallel_size=2, gen_gpu_memory_utilization=0.5)
+    assert cfg.target_torch_dtype("cpu") == torch.float32
+    assert cfg.target_torch_dtype("cuda") == torch.bfloat16
+    assert TrainConfig(target_dtype="float16").target_torch_dtype("cuda") == torch.float16
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    kw = llm_kwargs(SimpleNamespace(path="/t"), cfg)
+    assert kw["dtype"] == "bfloat16"
+    assert kw["tensor_parallel_size"] == 2 and kw["gpu_memory_utilization"] == 0.5
+    check_gpu_memory(cfg, free=41 * 2**30, total=80 * 2**30)
+    with pytest.raises(ValueError, match=r"only 10.0 of 80.0 GiB are free.*below 0.12"):
+        check_gpu_memory(cfg, free=10 * 2**30, total=80 * 2**30)
+    with pytest.raises(ValueError, match="target_dtype='fp8'; valid values: auto, float32"):
+        TrainConfig(target_dtype="fp8").validate()
+
+
+def test_replies_are_written_before_the_training_target_loads_one_copy_at_a_time(
+        tiny, tmp_path, monkeypatch):
+    """The generation engine loads its own copy of the target (in the generation dtype) and
+    frees it; the training target (target_dtype) loads after: never two copies at once."""
+    import gc
+    import weakref
+
+    from treedraft.training import target as target_mod
+
+    real, events, copies = target_mod.load_target, [], []
+
+    def load(*a, **kw):
+        gc.collect()
+        events.append((kw.get("dtype"), sum(r() is not None for r in copies)))
+        loaded = real(*a, **kw)
+        copies.append(weakref.ref(loaded.model))
+        return loaded
+
+    monkeypatch.setattr(target_mod, "load_target", load)
+    final = train(cfg_of(tiny, tmp_path, target_dtype="bfloat16", dtype="bfloat16",
+                         max_steps=2, eval_max_new_tokens=0))
+    assert events == [(torch.bfloat16, 0), (torch.bfloat16, 0)]  # generation, then training
+    assert load_head(final).config.layout == "eagle3"  # a new head: EAGLE-3 by default
+    assert len(losses(tmp_path)) == 2

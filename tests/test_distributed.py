@@ -1,0 +1,102 @@
+"""`treedraft train` under torchrun: two real processes (gloo on the CPU) train one head.
+
+Proves: two ranks launched by torchrun train two DDP steps on a tiny target and end with the same
+head weights, and those weights (and the logged losses) are the single-process run's with the
+same sequences per step (batch_size 1 x 2 ranks = batch_size 1 x grad_accum 2: DDP averages the
+ranks' mean losses as accumulation averages the micro-batches'); only rank 0 writes the run.
+The script is its own worker (`--worker`): each rank saves the head it ends with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+
+def tiny_target(root: Path) -> Path:
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from treedraft.training.models import resolve_model
+
+    tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                      initializer_range=0.3, bos_token_id=tok.bos_token_id,
+                      eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(root)
+    tok.save_pretrained(root)
+    return root
+
+
+def overrides(target: Path, prompts: Path, data: Path, out: Path, **kw) -> list[str]:
+    base = dict(target=target, data=prompts, num_prompts=7, eval_prompts=1, data_dir=data,
+                gen_max_new_tokens=10, max_seq_len=64, batch_size=1, length_buckets=1,
+                max_steps=2, warmup_steps=1, lr=3e-3, unroll_steps=2, measure_every=0,
+                eval_max_new_tokens=0, acceptance_depth=2, out_dir=out, progress="false",
+                num_threads=1)
+    return [f"--{k}={v}" for k, v in {**base, **kw}.items()] + ["--head.draft_vocab_size=256"]
+
+
+def losses(out: Path) -> list[float]:
+    return [r["loss"] for r in map(json.loads, (out / "train_log.jsonl").open()) if "loss" in r]
+
+
+def test_two_torchrun_processes_train_the_single_process_head(tmp_path):
+    from safetensors.torch import load_file
+
+    from treedraft.training.config import load_config
+    from treedraft.training.loop import train
+
+    target = tiny_target(tmp_path / "target")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Question number {i}?"}) + "\n"
+                               for i in range(8)))
+    data = tmp_path / "data"  # the single run writes the replies, the ranks read them
+    single = train(load_config(None, overrides(target, prompts, data, tmp_path / "single",
+                                               grad_accum=2)))
+    ddp = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           __file__, "--worker", str(ddp), *overrides(target, prompts, data, ddp)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [load_file(ddp / f"head-rank{r}.safetensors") for r in (0, 1)]
+    mine = load_file(single / "model.safetensors")
+    assert ranks[0].keys() == ranks[1].keys() and set(mine) <= set(ranks[0])
+    for k in ranks[0]:
+        torch.testing.assert_close(ranks[0][k], ranks[1][k], rtol=0, atol=0)
+    for k in mine:
+        torch.testing.assert_close(ranks[0][k], mine[k], rtol=1e-4, atol=1e-5)
+    a, b = losses(tmp_path / "single"), losses(ddp)
+    assert len(a) == len(b) == 2 and max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-5
+    assert (ddp / "final" / "model.safetensors").is_file()
+
+
+def _worker(out: str, args: list[str]) -> None:
+    """One torchrun rank: `train`, saving the head each rank ends with (at its final
+    measurement, which every rank runs)."""
+    from safetensors.torch import save_file
+
+    from treedraft.training import loop
+    from treedraft.training.config import load_config
+
+    rank, measure = int(os.environ["RANK"]), loop.log_heldout
+
+    def log_heldout(cfg, head, *a, **kw):
+        Path(out).mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().contiguous() for k, v in head.state_dict().items()},
+                  str(Path(out) / f"head-rank{rank}.safetensors"))
+        return measure(cfg, head, *a, **kw)
+
+    loop.log_heldout = log_heldout
+    loop.train(load_config(None, args))
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
+    _worker(sys.argv[2], sys.argv[3:])
