@@ -5,10 +5,13 @@
     train(load_config("scripts/recipes/tiny-cpu.yaml"))
 
 What happens, in order (every bad input fails before the expensive part):
-  1. config, head overrides and --resume config are checked; the target is loaded (frozen) and
-     a head built for it (embeddings / LM head bound from the target, never trained);
+  1. config, head overrides and --resume config are checked; from the target's config alone
+     (no weights) the head is built (a new EAGLE head: EAGLE-3, `target_layer_ids: auto`), the
+     architecture checked and the memory estimate printed and checked (preflight.py);
   2. prompts of `data` (MT-bench refused and re-checked), split into training + held-out rows;
-     too-long prompts are refused; the target regenerates the replies (cached in out_dir/data);
+     too-long prompts are refused; the target regenerates the replies (cached in out_dir/data)
+     with an engine that holds its own copy and frees it; then the target loads (frozen, in
+     target_dtype) and the head is bound to its embeddings / LM head (never trained);
   3. with draft_vocab_size the head's vocabulary is the most frequent reply tokens;
   4. steps: target features + soft labels per micro-batch (streamed, or from the optional
      cache), head loss (losses.py), AdamW with warmup + cosine or warmup-stable-decay (the decay ends
