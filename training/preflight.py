@@ -13,7 +13,8 @@ Features
       head state       P_head x 16                               (fp32 weights, grads, Adam m, v)
       target forward   (L + 1) x B x T x H x bytes(target_dtype)  (every hidden state is kept)
                        + 3 x B x T x I x bytes(target_dtype)     (one layer's MLP in flight)
-      soft labels      3 x N x V x 4                             (fp32 logits, log-softmax, copy)
+      soft labels      3 x N x V x 4 + V x H x 4                 (fp32 logits, log-softmax, copy;
+                                                                 the fp32 LM head they read)
       head, per unroll step (D of them, kept for backward):
                        B x T x (16 H + 3 I_head) x 4 + 3 x N x Vd x 4
 
@@ -131,7 +132,7 @@ def estimate_memory(cfg: TrainConfig, hf_config, head, device: torch.device,
         target_weights=P * tbytes,
         head_state=sum(p.numel() for p in head.parameters() if p.requires_grad) * 16,
         target_forward=(L + 1) * B * T * H * tbytes + 3 * B * T * I_t * tbytes,
-        labels=3 * N * V * 4,
+        labels=3 * N * V * 4 + V * H * 4,
         head_activations=steps * (per_step + 3 * N * Vd * 4),
         capacity=capacity, where=where)
 
