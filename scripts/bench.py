@@ -62,10 +62,12 @@ from pathlib import Path
 PRESETS = {
     "quick": {"limit": 4, "stride": 20, "max_new_tokens": 64, "batch_sizes": (1, 8),
               "temperatures": (0.0, 1.0), "enforce_eager": True,
+              "rounds": 2, "continuous": True, "warmup": True,
               "configs": ("no-spec", "ngram=3", "chain=2", "tree=lookup:4",
                           "tree=chain:2+lookup:4", "auto")},
     "full": {"limit": 80, "stride": 1, "max_new_tokens": 256, "batch_sizes": (1, 4, 16, 32),
              "temperatures": (0.0, 1.0), "enforce_eager": False,
+             "rounds": 1, "continuous": True, "warmup": True,
              # small trees: on a CPU every verified token costs compute
              "configs": ("no-spec", "ngram=4", "chain=3", "tree=static:10",
                          "tree=dynamic:10,3,3", "tree=lookup:8",
@@ -122,13 +124,15 @@ def speculative_config(config: str, head: str) -> dict | None:
 def _jobs(groups: dict[str, list[list[int]]], batch_sizes, temperatures,
           max_new_tokens: int, fill: bool = True, continuous: bool = False) -> list[dict]:
     """One job per temperature, batch size and prompt group (named `T{t}-bs{bs}`, plus
-    `-{group}` when there are several groups). fill: cycle the prompts to fill a wave;
-    continuous: the engine queues the prompts, at most the batch size running (no waves)."""
+    `-{group}` when there are several groups). fill: cycle the prompts to fill a wave (a queue:
+    4 batches); continuous: the engine queues the prompts, at most the batch size running (no
+    waves)."""
     jobs = []
     for t in temperatures:
         for bs in batch_sizes:
             for group, prompts in groups.items():
-                n = max(len(prompts), bs) if fill else len(prompts)
+                # a queue at least 4 batches deep: a batch refills as requests finish
+                n = max(len(prompts), 4 * bs if continuous else bs) if fill else len(prompts)
                 wave = [prompts[i % len(prompts)] for i in range(n)]
                 name = f"T{t}-bs{bs}" + (f"-{group}" if len(groups) > 1 else "")
                 jobs.append({"name": name, "group": group, "prompts": wave, "batch_size": bs,
@@ -136,6 +140,15 @@ def _jobs(groups: dict[str, list[list[int]]], batch_sizes, temperatures,
                                         "ignore_eos": True},
                              **({"continuous": True} if continuous else {})})
     return jobs
+
+
+def warmup_jobs(jobs: list[dict], tokens: int = 32) -> list[dict]:
+    """Untimed jobs an engine runs first: each job's shape (batch size, temperature, queue or
+    waves) at `tokens` tokens per request, so that the timed jobs find the engine's code paths
+    and row counts warm and `auto` with steps measured, as in a server that has been running."""
+    return [{**j, "name": f"warmup-{j['name']}", "prompts": j["prompts"][: 2 * j["batch_size"]],
+             "params": {**j["params"], "max_tokens": min(tokens, j["params"]["max_tokens"])}}
+            for j in jobs]
 
 
 def target_passes(tokens: int, accepted: int, drafts: int, requests: int) -> int:
@@ -474,13 +487,49 @@ def best_speedup(rows: list[dict], baseline: str) -> str:
     return f"best speedup vs {baseline}: " + "; ".join(parts) if parts else "no speedup measured"
 
 
+def _x(r: dict) -> str:
+    lo, hi = r.get("speedup_range") or (None, None)
+    return f"{r['speedup']:.2f}x" + (f" (rounds {lo:.2f}-{hi:.2f})" if lo is not None else "")
+
+
+def conclusions(rows: list[dict], baseline: str, machine: str, policy: str = "auto") -> list[str]:
+    """What holds on this machine, one sentence per temperature and batch size: the fastest
+    configuration against the baseline (with the range over rounds), and where `policy` (the
+    default a server gets) stands against it. A difference inside the rounds' ranges is said
+    to be one."""
+    lines = [f"On this machine ({machine}):"]
+    for t in sorted({r["temperature"] for r in rows}):
+        for bs in sorted({r["batch_size"] for r in rows if r["temperature"] == t}):
+            same = [r for r in rows if r["temperature"] == t and r["batch_size"] == bs
+                    and r["config"] != baseline]
+            if not same:
+                continue
+            best = max(same, key=lambda r: r["speedup"])
+            say = f"- T={t:g}, batch {bs}: "
+            if best["speedup"] < 1.0:
+                say += f"no configuration beats {baseline} (the best, {best['config']}: " \
+                       f"{_x(best)})"
+            else:
+                say += f"{best['config']} is fastest, {_x(best)} the speed of {baseline}"
+            mine = next((r for r in same if r["config"] == policy), None)
+            if mine is not None and mine is not best:
+                lo = (mine.get("speedup_range") or [mine["speedup"]] * 2)[1]
+                hi = (best.get("speedup_range") or [best["speedup"]] * 2)[0]
+                within = ("as fast within the rounds' spread" if lo >= hi
+                          else "slower beyond the rounds' spread")
+                say += f"; {policy} {_x(mine)}: {within}"
+            lines.append(say + ".")
+    return lines
+
+
 def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
           prompts: str = "mtbench", limit: int | None = None, max_new_tokens: int | None = None,
           batch_sizes=None, temperatures=None, configs=None,
           out: str | Path = "runs/bench", dtype: str = "auto",
           enforce_eager: bool | None = None, stride: int | None = None,
           preset: str = "quick", profile: bool = False, by_category: bool = False,
-          rounds: int = 1, continuous: bool = False) -> list[dict]:
+          rounds: int | None = None, continuous: bool | None = None,
+          warmup: bool | None = None) -> list[dict]:
     from transformers import AutoTokenizer
 
     from treedraft.heads.machine import describe, resolve_dtype
@@ -494,11 +543,12 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
 
     given = {"limit": limit, "max_new_tokens": max_new_tokens, "batch_sizes": batch_sizes,
              "temperatures": temperatures, "configs": configs, "enforce_eager": enforce_eager,
-             "stride": stride}
+             "stride": stride, "rounds": rounds, "continuous": continuous, "warmup": warmup}
     if preset not in PRESETS:
         raise ValueError(f"bench preset {preset!r}; valid: {', '.join(PRESETS)}")
     o = {k: v if v is not None else PRESETS[preset][k] for k, v in given.items()}
     configs = tuple(o["configs"])
+    rounds, continuous = o["rounds"], o["continuous"]
     if rounds < 1:
         raise ValueError(f"bench rounds must be >= 1, got {rounds}")
     runs = round_order(configs, rounds)
@@ -521,6 +571,7 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
     # groups: every prompt once per wave (cycling prompts to fill a wave would weight some twice)
     jobs = _jobs(groups, o["batch_sizes"], o["temperatures"], o["max_new_tokens"],
                  fill=len(groups) == 1, continuous=continuous)
+    warm = warmup_jobs(jobs) if o["warmup"] else []
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     print(f"[bench] {machine}\n[bench] vLLM dtype {vllm_dtype} (--dtype {dtype}), "
@@ -531,7 +582,7 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
           f"{list(o['temperatures'])}; {len(configs)} configurations: {', '.join(configs)}"
           + (f"; {rounds} rounds in alternating order" if rounds > 1 else ""), flush=True)
     names = [c if rounds == 1 else f"{c} (round {r + 1})" for r, c in runs]
-    progress = Progress(names, jobs)
+    progress = Progress(names, warm + jobs)
     llm = {"max_num_seqs": max(o["batch_sizes"]), "dtype": vllm_dtype,
            "enforce_eager": o["enforce_eager"]}
     rows, failed = [], []
@@ -540,7 +591,7 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
         env = {PROFILE_ENV: str((out / f"profile-{i}.json").resolve())} if profile else None
         try:
             results, log = progress.run(i, names[i], lambda cb, c=c, env=env: run_engine(
-                target_dir, specs[c], jobs, llm=llm, timeout=7200, progress=cb, env=env))
+                target_dir, specs[c], warm + jobs, llm=llm, timeout=7200, progress=cb, env=env))
         except RuntimeError as e:  # an engine that failed: the others still run and report
             if c == configs[0]:
                 raise  # the baseline: nothing to compare with
@@ -587,6 +638,7 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
     print(table)
     print(best_speedup(shown, configs[0])
           + (f" ({main})" if len(groups) > 1 else ""))
+    print("\n".join(conclusions(shown, configs[0], machine)))
     if failed:
         print(f"[bench] FAILED, not in the table: {', '.join(failed)} (engine logs in {out})")
     return rows

@@ -192,14 +192,20 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto",
                    help="vLLM dtype; auto: bfloat16 where the CPU has AMX/AVX512-BF16, "
                         "float32 on AVX2-only CPUs (bf16 is several times slower there)")
-    p.add_argument("--rounds", type=int, default=1,
+    p.add_argument("--rounds", type=int, default=None,
                    help="run the configurations N times in alternating order (A B C, C B A, "
                         "...) and report medians and the range of the per-round speedups "
-                        "(a shared machine's speed drifts over minutes)")
-    p.add_argument("--continuous", action="store_true",
-                   help="queue each job's prompts with at most the batch size running, the next "
-                        "starting as one finishes (a server's continuous batching), instead of "
-                        "waves that last as long as their slowest request")
+                        f"(a shared machine's speed drifts over minutes; default {q['rounds']})")
+    queue = p.add_mutually_exclusive_group()
+    queue.add_argument("--continuous", dest="continuous", action="store_true", default=None,
+                       help="queue each job's prompts with at most the batch size running, the "
+                            "next starting as one finishes (a server's continuous batching; the "
+                            "default)")
+    queue.add_argument("--waves", dest="continuous", action="store_false",
+                       help="waves of batch-size requests instead, each as long as its slowest")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false", default=None,
+                   help="time the engines from their first request (default: every engine "
+                        "first runs each job's shape for 32 tokens per request, untimed)")
     p.add_argument("--profile", action="store_true",
                    help="also time each engine step's phases (target forward, tree attention, "
                         "verification, KV compaction, drafting, the rest): OUT/profile.md")
@@ -219,7 +225,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
           args.batch_sizes, args.temperatures, tuple(args.config) if args.config else None,
           args.out, dtype=args.dtype, enforce_eager=args.enforce_eager, stride=args.stride,
           preset="full" if args.full else "quick", profile=args.profile,
-          by_category=args.by_category, rounds=args.rounds, continuous=args.continuous)
+          by_category=args.by_category, rounds=args.rounds, continuous=args.continuous,
+          warmup=args.warmup)
 
 
 OVERRIDES_HELP = (

@@ -182,7 +182,7 @@ def test_bench_continuous_jobs_and_their_tpot():
     seconds from submission to its last token over its tokens."""
     from treedraft.scripts.bench import _jobs, _row
 
-    job = _jobs({"all": [[1], [2], [3]]}, (2,), (1.0,), 8, continuous=True)[0]
+    job = _jobs({"all": [[1], [2], [3]]}, (2,), (1.0,), 8, fill=False, continuous=True)[0]
     assert job["continuous"] and job["batch_size"] == 2 and len(job["prompts"]) == 3
     assert "continuous" not in _jobs({"all": [[1]]}, (2,), (1.0,), 8)[0]
     spec = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": [],
@@ -354,6 +354,38 @@ def test_bench_progress_estimate_and_closing_line():
     assert PRESETS["full"]["limit"] == 80 and PRESETS["full"]["max_new_tokens"] == 256
 
 
+def test_bench_main_job_warms_engines_queues_and_says_what_holds():
+    """The default job: every engine first runs each job's shape untimed (short), a queue 4
+    batches deep, two rounds; the closing lines name the fastest configuration per (T, batch)
+    and where auto stands, a difference inside the rounds' ranges called none."""
+    from treedraft.scripts.bench import PRESETS, _jobs, conclusions, warmup_jobs
+
+    q = PRESETS["quick"]
+    assert q["continuous"] and q["warmup"] and q["rounds"] >= 2
+    jobs = _jobs({"mtbench": [[1], [2], [3]]}, (1, 8), (0.0,), 128, fill=True, continuous=True)
+    assert [len(j["prompts"]) for j in jobs] == [4, 32]
+    warm = warmup_jobs(jobs)
+    assert [w["name"] for w in warm] == ["warmup-T0.0-bs1", "warmup-T0.0-bs8"]
+    assert [len(w["prompts"]) for w in warm] == [2, 16]
+    assert all(w["params"]["max_tokens"] == 32 and w["continuous"] for w in warm)
+    assert jobs[0]["params"]["max_tokens"] == 128  # the timed jobs unchanged
+
+    def row(config, bs, s, lo, hi):
+        return {"config": config, "temperature": 0.0, "batch_size": bs, "speedup": s,
+                "speedup_range": [lo, hi]}
+
+    lines = conclusions([row("no-spec", 1, 1, 1, 1), row("chain=3", 1, 1.6, 1.5, 1.7),
+                         row("auto", 1, 1.55, 1.52, 1.62), row("no-spec", 8, 1, 1, 1),
+                         row("chain=3", 8, 0.9, 0.85, 0.95), row("auto", 8, 0.5, 0.45, 0.55)],
+                        "no-spec", "CPU X: amx_bf16 yes")
+    assert lines[0] == "On this machine (CPU X: amx_bf16 yes):"
+    assert lines[1] == ("- T=0, batch 1: chain=3 is fastest, 1.60x (rounds 1.50-1.70) the speed "
+                        "of no-spec; auto 1.55x (rounds 1.52-1.62): as fast within the rounds' "
+                        "spread.")
+    assert lines[2].startswith("- T=0, batch 8: no configuration beats no-spec (the best, "
+                               "chain=3: 0.90x") and "slower beyond the rounds' spread" in lines[2]
+
+
 def test_bench_speedup_chart_bars_scale_mark_and_ranges():
     """bench.md's plot as text: a bar per configuration and (T, batch), 0.1x a character in
     eighths, `│` at 1.0x where a bar ends short of it, values aligned, the rounds' range."""
@@ -404,7 +436,7 @@ def test_bench_reports_the_other_configs_when_one_engine_fails(tmp_path, monkeyp
 
     monkeypatch.setattr(engine, "run_engine", fake)
     kw = dict(prompts="mtbench", limit=2, max_new_tokens=4, batch_sizes=[1], temperatures=[0],
-              out=tmp_path / "b")
+              out=tmp_path / "b", rounds=1)
     rows = bench(configs=["no-spec", "ngram=3", "chain=2"], **kw)
     assert len(calls) == 3 and {r["config"] for r in rows} == {"no-spec", "chain=2"}
     out = capsys.readouterr().out
