@@ -271,38 +271,48 @@ def _export_args(p: argparse.ArgumentParser) -> None:
                    help="chain length for stock vLLM (default: 3 for EAGLE-3, recorded in the "
                         "config; the number of heads for Medusa, at most that)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="weights dtype (default: the target's, float32 for SmolLM2 on CPU)")
+                   help="weights dtype (default: the target checkpoint's, from its config.json: "
+                        "float32 for SmolLM2, bfloat16 for Llama-3.1-8B)")
 
 
 @command("export", _export_args)
 def cmd_export(args: argparse.Namespace) -> None:
-    """Write a head in another ecosystem's format (EAGLE-3 speculators or vLLM's Medusa)."""
+    """Write a head in another ecosystem's format (EAGLE-3 speculators or vLLM's Medusa). The
+    target's config and tokenizer check the head; its weights are not loaded (a Medusa head
+    sharing the target's LM head reads that one tensor)."""
     import json
 
     import torch
 
+    from treedraft.heads.common import load_head
     from treedraft.heads.medusa import VLLM_MEDUSA_FORMAT, save_vllm_medusa
+    from treedraft.heads.shipped import resolve_head
     from treedraft.heads.speculators import save_speculators
-    from treedraft.training.models import resolve_model
-    from treedraft.training.target import load_head_for, load_target, target_signature
+    from treedraft.training.target import (
+        checkpoint_dtype,
+        open_target,
+        read_lm_head,
+        target_signature,
+    )
 
-    loaded = load_target(args.target)
-    head = load_head_for(args.head, loaded.model,
-                         target_signature(loaded.model, loaded.tokenizer))
+    spec = open_target(args.target)
+    head = load_head(resolve_head(args.head), target=target_signature(spec.config, spec.tokenizer))
     fmt = args.format or (VLLM_MEDUSA_FORMAT if head.head_type == "medusa" else "speculators")
-    dtype = getattr(torch, args.dtype) if args.dtype else None
+    dtype = getattr(torch, args.dtype) if args.dtype else checkpoint_dtype(spec.config)
     k = args.num_speculative_tokens
     if fmt == VLLM_MEDUSA_FORMAT:  # checks the head type and k before writing
+        if head.head_type == "medusa" and not head.config.own_lm_head:
+            head.bind_target(None, read_lm_head(spec))
         out = save_vllm_medusa(head, args.out, dtype=dtype, num_speculative_tokens=k)
         method, k = "medusa", k or head.config.num_heads
     else:
         k = 3 if k is None else k
-        out = save_speculators(head, args.out, verifier=str(resolve_model(args.target)),
-                               num_speculative_tokens=k, dtype=dtype)
+        out = save_speculators(head, args.out, verifier=spec.path, num_speculative_tokens=k,
+                               dtype=dtype)
         method = "eagle3"
-    spec = json.dumps({"method": method, "model": str(out), "num_speculative_tokens": k})
-    print(f"wrote {out}: serve it with vllm serve {resolve_model(args.target)} "
-          f"--speculative-config '{spec}'")
+    spec_json = json.dumps({"method": method, "model": str(out), "num_speculative_tokens": k})
+    print(f"wrote {out}: serve it with vllm serve {spec.path} "
+          f"--speculative-config '{spec_json}'")
 
 
 def _load_args(p: argparse.ArgumentParser) -> None:

@@ -793,3 +793,37 @@ def test_replies_are_written_before_the_training_target_loads_one_copy_at_a_time
     assert events == [(torch.bfloat16, 0), (torch.bfloat16, 0)]  # generation, then training
     assert load_head(final).config.layout == "eagle3"  # a new head: EAGLE-3 by default
     assert len(losses(tmp_path)) == 2
+
+
+def test_export_reads_the_targets_config_and_tokenizer_not_its_weights(tmp_path, capsys):
+    import shutil
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from treedraft.heads.shipped import resolve_head
+    from treedraft.training.models import resolve_model
+
+    real = Path(resolve_model("smollm2-135m"))
+    bare = tmp_path / "bare"  # config.json and tokenizer, no weight files
+    bare.mkdir()
+    for f in real.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, bare / f.name)
+    main(["export", "smollm2-135m-eagle3", str(tmp_path / "spec"), f"--target={bare}"])
+    assert "vllm serve" in capsys.readouterr().out
+    head = load_head(resolve_head("smollm2-135m-eagle3"))
+    state = load_file(tmp_path / "spec" / "model.safetensors")
+    assert state["fc.weight"].dtype == torch.float32  # SmolLM2's checkpoint dtype
+    torch.testing.assert_close(state["fc.weight"], head.fuse.weight.float(), rtol=0, atol=0)
+    cfg = json.loads((bare / "config.json").read_text())
+    (bare / "config.json").write_text(json.dumps({**cfg, "dtype": "bfloat16"}))
+    main(["export", "smollm2-135m-eagle3", str(tmp_path / "spec16"), f"--target={bare}"])
+    assert load_file(tmp_path / "spec16" / "model.safetensors")["fc.weight"].dtype == torch.bfloat16
+    # a Medusa head on the target's LM head reads that one tensor, and says so where it is absent
+    with pytest.raises(SystemExit, match="pass --target the full Hugging Face folder"):
+        main(["export", "smollm2-135m-medusa", str(tmp_path / "m0"), f"--target={bare}"])
+    main(["export", "smollm2-135m-medusa", str(tmp_path / "medusa")])
+    lm = load_file(tmp_path / "medusa" / "model.safetensors")["lm_heads.0.weight"]
+    with safe_open(str(real / "model.safetensors"), framework="pt") as f:  # tied to embeddings
+        assert torch.equal(lm, f.get_tensor("model.embed_tokens.weight").to(lm.dtype))

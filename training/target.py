@@ -64,6 +64,64 @@ def load_target(name_or_path: str, *, dtype: torch.dtype = torch.float32,
     return LoadedTarget(model, tokenizer, path, str(name_or_path))
 
 
+def checkpoint_dtype(config) -> torch.dtype | None:
+    """The dtype a target's weights are stored in, from its transformers config (None where the
+    config names none)."""
+    name = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(name, torch.dtype):
+        return name
+    return getattr(torch, str(name).removeprefix("torch."), None) if name else None
+
+
+def read_lm_head(target: LoadedTarget) -> torch.Tensor:
+    """The target's LM head [V, H] read from its safetensors files alone (the input embeddings
+    where the two are tied), for an export that shares it: one tensor, not the model."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):  # parameter names only: nothing is allocated
+        model = AutoModelForCausalLM.from_config(target.config)
+    names = {id(p): n for n, p in model.named_parameters()}
+    wanted = [names[id(m.weight)] for m in (model.get_output_embeddings(),
+                                             model.get_input_embeddings()) if id(m.weight) in names]
+    for name in dict.fromkeys(wanted):
+        if (file := _weights_file(target.path, name)) is not None:
+            with safe_open(file, framework="pt") as f:
+                return f.get_tensor(name)
+    raise FileNotFoundError(
+        f"{target.path} holds none of {sorted(set(wanted))} in its safetensors files; this "
+        "export writes the target's LM head, so pass --target the full Hugging Face folder "
+        "(config.json, tokenizer and *.safetensors weights)")
+
+
+def _weights_file(path: str, name: str) -> str | None:
+    """The safetensors file of `path` (a folder or a hub id) that holds tensor `name`."""
+    import json
+    from pathlib import Path
+
+    def fetch(filename: str) -> str | None:
+        if Path(path).is_dir():
+            f = Path(path) / filename
+            return str(f) if f.is_file() else None
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import EntryNotFoundError
+
+        try:
+            return hf_hub_download(path, filename)
+        except EntryNotFoundError:
+            return None
+
+    if (index := fetch("model.safetensors.index.json")) is not None:
+        shard = json.loads(Path(index).read_text())["weight_map"].get(name)
+        return fetch(shard) if shard else None
+    if (single := fetch("model.safetensors")) is not None:
+        from safetensors import safe_open
+
+        with safe_open(single, framework="pt") as f:
+            return single if name in f.keys() else None
+    return None
+
+
 def target_signature(model, tokenizer) -> TargetSignature:
     """The signature of a target given as a model or its transformers config."""
     cfg = getattr(model, "config", model)
