@@ -21,6 +21,11 @@ Features
   value with `norm_before_residual`), and the output feature fed to the next step is the
   PRE-norm residual stream; logits read final_norm(feature). It is the layout the speculators
   format stores (treedraft.heads.speculators converts both ways).
+- `norm_output` (eagle3, speculators' `norm_output`): the output feature fed to the next step is
+  final_norm(stream) instead of the pre-norm stream; logits read it directly.
+- `qk_norm` (Qwen3 draft layers): an RMSNorm over head_dim on each query and key head before
+  RoPE, as vLLM's `Qwen3Attention`. `rope_scaling` {"rope_type": "llama3", ...}: Llama-3.1's
+  frequency scaling, as vLLM's `Llama3RotaryEmbedding`.
 - `fuse_norm` (vLLM/speculators `fc_norm`): an RMSNorm per target layer before `fuse`, so
   SmolLM2's deep layer (token RMS ~20 against ~3 at layer 2) does not drown the others;
   `norm_before_fc`: one RMSNorm over the n*H concat (imported heads only).
@@ -32,6 +37,7 @@ and its output is fhat_{t+1}.
 from __future__ import annotations
 
 import heapq
+import math
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -65,6 +71,9 @@ class EagleConfig(ConfigMixin):
     norm_before_residual: bool = False  # eagle3: the residual starts at the NORMED feature
     own_embedding: bool = False  # own token embedding [V, H] (imported heads that ship one
     #   different from the target's); default: the target's, bound and never saved
+    norm_output: bool = False  # eagle3: the output feature is final_norm(stream)
+    qk_norm: bool = False  # RMSNorm(head_dim) on q and k heads before RoPE (Qwen3 layers)
+    rope_scaling: dict | None = None  # None, or {"rope_type": "llama3", LLAMA3_ROPE_KEYS...}
 
     def __post_init__(self) -> None:
         if isinstance(self.target, dict):
@@ -93,6 +102,10 @@ class EagleConfig(ConfigMixin):
             raise ValueError(f"EagleConfig.layout={self.layout!r}; valid: {', '.join(LAYOUTS)}")
         if self.norm_before_residual and self.layout != "eagle3":
             raise ValueError("norm_before_residual is an eagle3-layout option (layout='eagle3')")
+        if self.norm_output and self.layout != "eagle3":
+            raise ValueError("norm_output is an eagle3-layout option (layout='eagle3')")
+        if self.rope_scaling is not None:
+            check_rope_scaling(self.rope_scaling)
         vd = self.draft_vocab_size
         if vd is not None and not 0 < vd <= self.target.vocab_size:
             raise ValueError(
@@ -113,11 +126,42 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rope_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
-    """positions [B, T] -> cos, sin [B, 1, T, head_dim] (float32)."""
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+                    "original_max_position_embeddings")
+
+
+def check_rope_scaling(scaling: dict) -> None:
+    """Refuse a rope_scaling this module does not compute exactly (only Llama-3.1's)."""
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind != "llama3":
+        raise ValueError(f"rope_scaling.rope_type={kind!r} is not supported (supported: "
+                         "'llama3', or no rope_scaling)")
+    missing = [k for k in LLAMA3_ROPE_KEYS if k not in scaling]
+    if missing:
+        raise ValueError(f"rope_scaling of type 'llama3' lacks {missing}")
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, device) -> Tensor:
+    """[head_dim / 2] float32 RoPE frequencies; with Llama-3.1 scaling, vLLM's
+    `Llama3RotaryEmbedding`: wavelengths above original_max / low_freq_factor are slowed by
+    `factor`, those below original_max / high_freq_factor kept, those between interpolated."""
     inv_freq = 1.0 / theta ** (
-        torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
+        torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
     )
+    if scaling is None:
+        return inv_freq
+    factor, low, high, orig = (float(scaling[k]) for k in LLAMA3_ROPE_KEYS)
+    wave_len = 2 * math.pi / inv_freq
+    smooth = (orig / wave_len - low) / (high - low) if low != high else 0
+    return torch.where(wave_len < orig / high, inv_freq,
+                       torch.where(wave_len > orig / low, inv_freq / factor,
+                                   (1 - smooth) * inv_freq / factor + smooth * inv_freq))
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float,
+                 scaling: dict | None = None) -> tuple[Tensor, Tensor]:
+    """positions [B, T] -> cos, sin [B, 1, T, head_dim] (float32)."""
+    inv_freq = rope_inv_freq(head_dim, theta, scaling, positions.device)
     freqs = positions.float()[..., None] * inv_freq  # [B, T, D/2]
     emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, T, D]
     return emb.cos(), emb.sin()
@@ -231,6 +275,8 @@ class DecoderLayer(nn.Module):
         self.k_proj = nn.Linear(qkv_in, nkv * d, bias=False)
         self.v_proj = nn.Linear(qkv_in, nkv * d, bias=False)
         self.o_proj = nn.Linear(nh * d, h, bias=False)
+        self.q_norm = RMSNorm(d, c.rms_norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(d, c.rms_norm_eps) if c.qk_norm else None
         self.mlp_norm = RMSNorm(h, c.rms_norm_eps)
         self.gate_proj = nn.Linear(h, c.intermediate_size, bias=False)
         self.up_proj = nn.Linear(h, c.intermediate_size, bias=False)
@@ -239,10 +285,13 @@ class DecoderLayer(nn.Module):
     def attention(self, x: Tensor, positions: Tensor, past_kv, attn_mask, packed=None):
         c = self.c
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim)
+        k = self.k_proj(x).view(B, T, c.num_key_value_heads, c.head_dim)
+        if self.q_norm is not None:  # Qwen3: per-head norms before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
+        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, c.rope_scaling)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [B, nh|nkv, T, D]
         new_kv = (k, v)  # cached post-RoPE, for these T tokens only
         if packed is not None:  # several sessions' tokens in one row
@@ -371,15 +420,16 @@ class EagleHead(DraftHead):
         f = self.feature_norm(features)
         if self.eagle3:  # vLLM llama_eagle3.py: attention reads the 2H concat
             residual = f if self.config.norm_before_residual else features
-            return self.layer.forward_from(torch.cat([self.embed_norm(e), f], dim=-1), residual,
-                                           positions, past_kv, attn_mask, packed)
+            x, new_kv = self.layer.forward_from(torch.cat([self.embed_norm(e), f], dim=-1),
+                                                residual, positions, past_kv, attn_mask, packed)
+            return (self.final_norm(x) if self.config.norm_output else x), new_kv
         x = self.combine(torch.cat([self.embed_norm(e), f], dim=-1))
         x, new_kv = self.layer(x, positions, past_kv, attn_mask, packed)
         return self.final_norm(x), new_kv
 
     def draft_logits(self, feature: Tensor) -> Tensor:
         """[..., H] -> [..., Vd] over the draft vocab (or [..., V] without one)."""
-        if self.eagle3:
+        if self.eagle3 and not self.config.norm_output:  # else the feature is normed already
             feature = self.final_norm(feature)
         if self.config.draft_vocab_size is None:
             return F.linear(feature, self._bound("target_lm_head").to(feature.dtype))

@@ -14,7 +14,17 @@ with `speculators_model_type: "eagle3"`, the draft layer's Llama config under
     d2t [Vd] (target id - draft id), t2d [V] bool    absent when Vd == V
     embed_tokens.weight [V, H]          absent: the target's embedding
 
-`load_speculators(path, target)` builds an `EagleHead(layout="eagle3")` with identical math;
+The flat layout the EAGLE authors and SpecForge publish (`architectures:
+["LlamaForCausalLMEagle3"]`, the Llama fields at the top level, `eagle_config` holding the target
+layers, the same weight names) loads too, with vLLM's defaults for a plain config (every norm
+option off). A draft layer with `model_type: "qwen3"` (speculators format) is vLLM's Qwen3 EAGLE-3
+layer: q_norm / k_norm over each head before RoPE (`self_attn.{q,k}_norm.weight [head_dim]`).
+Llama-3.1 rope scaling and `norm_output` are computed; every other option vLLM reads from these
+configs is refused naming its field: more than one draft layer, a sliding window, another rope
+type, biases, another activation, a logit scale, `mask_hidden` (parallel drafting).
+
+`load_speculators(path, target)` builds an `EagleHead(layout="eagle3")` with identical math
+(`path`: a folder, or a hub id fetched with huggingface_hub);
 `save_speculators(head, out, ...)` writes one that stock vLLM serves with
 `{"method": "eagle3", "model": out, "num_speculative_tokens": K}`.
 
@@ -33,15 +43,26 @@ from typing import Any
 import torch
 
 from .common import CONFIG_NAME, WEIGHTS_NAME, TargetSignature
-from .eagle import EagleConfig, EagleHead
+from .eagle import LLAMA3_ROPE_KEYS, EagleConfig, EagleHead
 
 FORMAT_KEY = "speculators_model_type"
 SIGNATURE_KEY = "treedraft_target"  # our exports carry the full target signature
-FORMAT_VERSION = "speculators-import-2"  # bump when the conversion changes (plugin cache key)
+FORMAT_VERSION = "speculators-import-3"  # bump when the conversion changes (plugin cache key)
+# the flat layout's architectures (vLLM 0.32's registry maps both to llama_eagle3.py)
+FLAT_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+# draft layer model_type -> vLLM 0.32's EAGLE-3 layer (speculators/algos.py eagle3_arch_map)
+LAYER_TYPES = {"llama": "Eagle3LlamaForCausalLM", "qwen3": "Eagle3Qwen3ForCausalLM"}
+
+
+def is_flat(config: dict[str, Any]) -> bool:
+    """The flat EAGLE-3 layout (EAGLE authors', SpecForge's): Llama fields at the top level."""
+    return FORMAT_KEY not in config and bool(
+        set(config.get("architectures") or ()) & set(FLAT_ARCHITECTURES))
 
 
 def is_speculators(config: dict[str, Any]) -> bool:
-    return FORMAT_KEY in config
+    """An EAGLE-3 folder this module imports: the speculators format or the flat layout."""
+    return FORMAT_KEY in config or is_flat(config)
 
 
 def default_layer_ids(num_layers: int) -> tuple[int, ...]:
@@ -49,41 +70,136 @@ def default_layer_ids(num_layers: int) -> tuple[int, ...]:
     return (2, num_layers // 2, num_layers - 3)
 
 
-def _refuse(path, field: str, value, want) -> None:
+def resolve(source: str | os.PathLike) -> Path:
+    """A local folder as is; anything else as a Hugging Face hub id, downloaded (config and
+    weights only) into the hub cache."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ValueError(f"{source}: is a file; give the EAGLE-3 folder holding config.json and "
+                         "the weights, or a hub id")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(str(source), allow_patterns=[
+            "*.json", "*.safetensors", "pytorch_model*.bin"]))
+    except (OSError, ValueError) as e:  # not found, offline, gated, malformed id
+        raise ValueError(
+            f"{source!r} is neither a local folder nor a downloadable hub id ({type(e).__name__}: "
+            f"{str(e).splitlines()[0]}); give a folder holding config.json and the weights, or "
+            "a hub id such as 'RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3'") from e
+
+
+def _refuse(path, field: str, value, want, why: str = "") -> None:
     raise ValueError(f"{path}: {field}={value!r} is not supported (supported: {want}); "
-                     "treedraft serves single-layer Llama-style EAGLE-3 heads")
+                     + (why or "treedraft serves single-layer Llama- or Qwen3-style EAGLE-3 "
+                                "heads as vLLM 0.32 runs them"))
 
 
-def _layer_config(path, cfg: dict) -> dict:
+def _layer_config(path, cfg: dict) -> tuple[dict, str]:
+    """The draft layer's config dict and the prefix its fields are named with in errors."""
+    if is_flat(cfg):
+        return cfg, ""
     if cfg.get(FORMAT_KEY) != "eagle3":
         _refuse(path, FORMAT_KEY, cfg.get(FORMAT_KEY), "'eagle3'")
     layer = cfg.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise ValueError(f"{path}: transformer_layer_config is missing or not an object; a "
                          "speculators EAGLE-3 config holds the draft layer's Llama config there")
-    checks = [("transformer_layer_config.model_type", layer.get("model_type", "llama"),
-               ("llama",)),
-              ("transformer_layer_config.num_hidden_layers", layer.get("num_hidden_layers", 1),
-               (1,)),
-              ("transformer_layer_config.hidden_act", layer.get("hidden_act", "silu"), ("silu",)),
-              ("transformer_layer_config.attention_bias", layer.get("attention_bias", False),
-               (False,)),
-              ("transformer_layer_config.mlp_bias", layer.get("mlp_bias", False), (False,)),
-              ("transformer_layer_config.rope_scaling", layer.get("rope_scaling"), (None,)),
-              ("transformer_layer_config.rope_parameters.rope_type",
-               (layer.get("rope_parameters") or {}).get("rope_type", "default"), ("default",)),
-              ("norm_output", cfg.get("norm_output", False), (False,))]
+    return layer, "transformer_layer_config."
+
+
+def _rope(path, layer: dict, at: str) -> dict | None:
+    """The draft layer's rope scaling (None: plain RoPE), from `rope_parameters` (transformers
+    5) or `rope_scaling` (older), as vLLM's get_rope reads it; refuses what it cannot compute."""
+    field, params = next(((f, layer[f]) for f in ("rope_parameters", "rope_scaling")
+                          if layer.get(f)), ("rope_scaling", None))
+    partial = (params or {}).get("partial_rotary_factor", layer.get("partial_rotary_factor", 1))
+    if partial != 1:
+        _refuse(path, f"{at}partial_rotary_factor", partial, "1 (RoPE over the whole head)")
+    kind = None if params is None else params.get("rope_type", params.get("type", "default"))
+    if kind in (None, "default"):
+        return None
+    if kind != "llama3":
+        _refuse(path, f"{at}{field}.rope_type", kind, "'default' or 'llama3'")
+    missing = [k for k in LLAMA3_ROPE_KEYS if k not in params]
+    if missing:
+        raise ValueError(f"{path}: {at}{field} of type 'llama3' lacks {missing}; Llama-3.1's "
+                         "scaling needs all of " + ", ".join(LLAMA3_ROPE_KEYS))
+    return {"rope_type": "llama3", **{k: params[k] for k in LLAMA3_ROPE_KEYS}}
+
+
+def _sliding_window(layer: dict) -> tuple[str, Any] | None:
+    """(field, value) where the draft layer asks for a sliding window, else None."""
+    window = layer.get("sliding_window")
+    if window is None:  # no window: full attention whatever else the config says
+        return None
+    types = layer.get("layer_types") or []
+    if types and types[0] == "sliding_attention":
+        return "layer_types[0]", types[0]
+    if layer.get("use_sliding_window"):
+        return "use_sliding_window", True
+    return None
+
+
+def _check_layer(path, cfg: dict, layer: dict, at: str) -> None:
+    """Refuse, naming the field, every draft-layer option treedraft's layer does not compute."""
+    for key in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"):
+        if not isinstance(layer.get(key), int):
+            raise ValueError(f"{path}: {at}{key} is missing or not an integer; an EAGLE-3 "
+                             "draft layer config needs hidden_size, num_attention_heads, "
+                             "intermediate_size and vocab_size")
+    n = layer.get("num_hidden_layers", 1)
+    if n != 1:
+        _refuse(path, f"{at}num_hidden_layers", n, "1",
+                "vLLM runs layers after the first as plain pre-norm decoder layers, but "
+                "treedraft's draft sessions cache one layer's K/V; serve it with vLLM's own "
+                "EAGLE-3 instead (\"method\": \"eagle3\", chains)")
+    checks = [(f"{at}model_type", layer.get("model_type", "llama"), tuple(LAYER_TYPES)),
+              (f"{at}hidden_act", layer.get("hidden_act", "silu"), ("silu",)),
+              (f"{at}attention_bias", layer.get("attention_bias", False), (False,)),
+              (f"{at}mlp_bias", layer.get("mlp_bias", False), (False,)),
+              (f"{at}logit_scale", layer.get("logit_scale", 1.0), (1, 1.0)),
+              (f"{at}is_causal", layer.get("is_causal", True), (True,)),
+              (f"{at}dual_chunk_attention_config",
+               layer.get("dual_chunk_attention_config"), (None,)),
+              (f"{at}eagle_config.use_aux_hidden_state",
+               (layer.get("eagle_config") or {}).get("use_aux_hidden_state", True), (True,))]
     for field, value, ok in checks:
         if value not in ok:
             _refuse(path, field, value, " or ".join(repr(v) for v in ok))
-    return layer
+    window = _sliding_window(layer)
+    if window:
+        _refuse(path, f"{at}{window[0]}", window[1], "full attention (no sliding_window)",
+                f"the draft layer attends through a sliding window of "
+                f"{layer['sliding_window']} tokens, which treedraft's draft sessions do not "
+                "apply; it is refused rather than served with full attention")
+    target_hidden = cfg.get("target_hidden_size")
+    if target_hidden is not None and target_hidden != layer["hidden_size"]:
+        _refuse(path, "target_hidden_size", target_hidden, f"{layer['hidden_size']} (the draft "
+                "layer's hidden_size)", "treedraft's head works in the target's hidden space")
+
+
+def _options(cfg: dict, layer: dict) -> dict[str, bool]:
+    """EagleConfig's norm options as vLLM 0.32 reads them: a speculators config through
+    speculators/algos.py update_eagle3 (norm_before_residual defaults to True), a flat one as
+    plain config attributes (every option defaults to False); `eagle_config.norm_before_fc`
+    wins over the top-level key in both (llama_eagle3.py)."""
+    eagle_config = layer.get("eagle_config") or {}
+    return {"norm_before_residual": bool(cfg.get("norm_before_residual", not is_flat(cfg))),
+            "norm_before_fc": bool(eagle_config.get("norm_before_fc",
+                                                    cfg.get("norm_before_fc", False))),
+            "fuse_norm": bool(cfg.get("fc_norm", False)),
+            "norm_output": bool(cfg.get("norm_output", False))}
 
 
 def _rope_theta(layer: dict) -> float:
     """RoPE theta from a Llama config dict, old (`rope_theta`) or transformers 5
     (`rope_parameters`) style."""
+    default = 1e6 if layer.get("model_type") == "qwen3" else 10000.0  # vLLM's Qwen3 default
     return float((layer.get("rope_parameters") or {}).get(
-        "rope_theta", layer.get("rope_theta", 10000.0)))
+        "rope_theta", layer.get("rope_theta", default)))
 
 
 def default_tree(cfg: dict) -> str:
@@ -151,12 +267,29 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def draft_layer(path, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The EagleConfig fields an EAGLE-3 config sets (the draft layer's shape, rope, norm
+    options), read as vLLM 0.32 reads them, after refusing what treedraft does not compute."""
+    layer, at = _layer_config(path, cfg)
+    _check_layer(path, cfg, layer, at)
+    return dict(
+        hidden_size=layer["hidden_size"], num_attention_heads=layer["num_attention_heads"],
+        num_key_value_heads=layer.get("num_key_value_heads") or layer["num_attention_heads"],
+        intermediate_size=layer["intermediate_size"], rms_norm_eps=layer.get("rms_norm_eps", 1e-6),
+        rope_theta=_rope_theta(layer), rope_scaling=_rope(path, layer, at),
+        head_dim=layer.get("head_dim"),
+        # vLLM's Qwen3 EAGLE-3 layer (a speculators config only; the flat layout is Llama's)
+        qk_norm=not is_flat(cfg) and layer.get("model_type") == "qwen3", **_options(cfg, layer))
+
+
 def load_speculators(path: str | os.PathLike, target: TargetSignature | None = None
                      ) -> EagleHead:
-    """An EAGLE-3 head in the speculators format as an `EagleHead(layout="eagle3")`."""
-    path = Path(path)
+    """An EAGLE-3 head (a speculators-format or flat folder, or a hub id holding one) as an
+    `EagleHead(layout="eagle3")`."""
+    path = resolve(path)
     cfg = json.loads((path / CONFIG_NAME).read_text())
-    layer = _layer_config(path, cfg)
+    fields = draft_layer(path, cfg)
+    layer, _ = _layer_config(path, cfg)
     sig = _signature(path, cfg, layer, target)
     if target is not None:
         from .common import raise_mismatches
@@ -172,17 +305,10 @@ def load_speculators(path: str | os.PathLike, target: TargetSignature | None = N
         raise ValueError(f"{path}: draft_vocab_size={vd} < vocab_size={V} but the weights have no "
                          "d2t (draft -> target id offsets); export the head with its vocab map")
     econf = EagleConfig(
-        hidden_size=layer["hidden_size"], num_attention_heads=layer["num_attention_heads"],
-        num_key_value_heads=layer.get("num_key_value_heads", layer["num_attention_heads"]),
-        intermediate_size=layer["intermediate_size"], target=sig,
-        rms_norm_eps=layer.get("rms_norm_eps", 1e-6), rope_theta=_rope_theta(layer),
-        head_dim=layer.get("head_dim"), target_layer_ids=tuple(ids),
+        **fields, target=sig, target_layer_ids=tuple(ids),
         draft_vocab_size=None if vd == V and "lm_head.weight" not in state else vd,
-        layout="eagle3", fuse_norm=bool(cfg.get("fc_norm", False)),
-        norm_before_fc=bool(cfg.get("norm_before_fc", False)),
-        # vLLM's default when the key is absent (speculators/algos.py)
-        norm_before_residual=bool(cfg.get("norm_before_residual", True)),
-        own_embedding="embed_tokens.weight" in state, default_tree=default_tree(cfg))
+        layout="eagle3", own_embedding="embed_tokens.weight" in state,
+        default_tree=default_tree(cfg))
     head = EagleHead(econf)
     ours = _from_speculators_names(state, econf, path)
     want = head.state_dict()
@@ -205,6 +331,8 @@ _LAYER = {"embed_norm.weight": "midlayer.input_layernorm.weight",
           "layer.k_proj.weight": "midlayer.self_attn.k_proj.weight",
           "layer.v_proj.weight": "midlayer.self_attn.v_proj.weight",
           "layer.o_proj.weight": "midlayer.self_attn.o_proj.weight",
+          "layer.q_norm.weight": "midlayer.self_attn.q_norm.weight",
+          "layer.k_norm.weight": "midlayer.self_attn.k_norm.weight",
           "layer.mlp_norm.weight": "midlayer.post_attention_layernorm.weight",
           "layer.gate_proj.weight": "midlayer.mlp.gate_proj.weight",
           "layer.up_proj.weight": "midlayer.mlp.up_proj.weight",
@@ -297,17 +425,20 @@ def save_speculators(head: EagleHead, out: str | os.PathLike, *, verifier: str,
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
     vd = c.draft_vocab_size or c.target.vocab_size
+    kind = "qwen3" if c.qk_norm else "llama"  # vLLM picks its EAGLE-3 layer by model_type
+    rope = {"rope_type": "default"} if c.rope_scaling is None else dict(c.rope_scaling)
     config = {
         "architectures": ["Eagle3Speculator"],
         FORMAT_KEY: "eagle3",
         "transformer_layer_config": {
-            "model_type": "llama", "architectures": ["LlamaForCausalLM"],
+            "model_type": kind,
+            "architectures": ["Qwen3ForCausalLM" if c.qk_norm else "LlamaForCausalLM"],
             "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
             "num_attention_heads": c.num_attention_heads,
             "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
             "num_hidden_layers": 1, "hidden_act": "silu", "rms_norm_eps": c.rms_norm_eps,
-            "rope_theta": c.rope_theta, "rope_scaling": None,
-            "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+            "rope_theta": c.rope_theta, "rope_scaling": c.rope_scaling,
+            "rope_parameters": {**rope, "rope_theta": c.rope_theta},
             "num_aux_hidden_states": len(c.target_layer_ids),  # vLLM sizes fc from it (else 3)
             "attention_bias": False,
             "mlp_bias": False, "vocab_size": c.target.vocab_size,
@@ -319,6 +450,7 @@ def save_speculators(head: EagleHead, out: str | os.PathLike, *, verifier: str,
         "norm_before_residual": c.norm_before_residual,
         "norm_before_fc": c.norm_before_fc,
         "fc_norm": c.fuse_norm,
+        "norm_output": c.norm_output,
         "eagle_aux_hidden_state_layer_ids": list(c.target_layer_ids),
         "speculators_config": {
             "algorithm": "eagle3",

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -30,24 +31,58 @@ def eagle3(**kw):
     return make_eagle(layout="eagle3", target_layer_ids=IDS, draft_vocab_size=20, **kw)
 
 
-def _vllm_eagle3(w: dict, cfg: dict, hidden, ids, eps: float):
-    """vLLM 0.32 llama_eagle3.py on one sequence (no KV cache): combine_hidden_states, the
-    first decoder layer, the final norm; returns (prenorm, logits over the target vocab)."""
+def _llama3_inv_freq(inv: torch.Tensor, rs: dict) -> torch.Tensor:
+    """vLLM 0.32 rotary_embedding/llama3_rope.py `_compute_inv_freq`, written out."""
+    factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+    orig = rs["original_max_position_embeddings"]
+    wave = 2 * math.pi / inv
+    smooth = (orig / wave - low) / (high - low)
+    mid = (1 - smooth) * inv / factor + smooth * inv
+    return torch.where(wave < orig / high, inv, torch.where(wave > orig / low, inv / factor, mid))
+
+
+def _spec(cfg: dict) -> dict:
+    """The options vLLM 0.32 reads from a config of ours or a fixture, spelled out: a
+    speculators config through speculators/algos.py (norm_before_residual defaults to True),
+    a flat one as plain attributes (every option False)."""
+    speculators = "speculators_model_type" in cfg
+    lay = cfg["transformer_layer_config"] if speculators else cfg
+    rope = lay.get("rope_parameters") or lay.get("rope_scaling") or {}
+    nh = lay["num_attention_heads"]
+    return {"nh": nh, "nkv": lay.get("num_key_value_heads") or nh,
+            "d": lay.get("head_dim") or lay["hidden_size"] // nh,
+            "theta": rope.get("rope_theta", lay.get("rope_theta", 10000.0)),
+            "llama3": rope if rope.get("rope_type") == "llama3" else None,
+            "qk_norm": speculators and lay.get("model_type") == "qwen3",
+            "norm_before_residual": cfg.get("norm_before_residual", speculators),
+            "norm_before_fc": cfg.get("norm_before_fc", False),
+            "fc_norm": cfg.get("fc_norm", False), "norm_output": cfg.get("norm_output", False),
+            "eps": lay.get("rms_norm_eps", 1e-6)}
+
+
+def _vllm_eagle3(w: dict, sp: dict, hidden, ids, positions, n_aux: int = len(IDS),
+                 embed=None):
+    """vLLM 0.32 llama_eagle3.py / qwen3_eagle3.py on one sequence (no KV cache):
+    combine_hidden_states, the first decoder layer (qwen3: q_norm / k_norm per head before
+    RoPE), the final norm; returns (the feature fed to the next step: prenorm, or post-norm
+    with norm_output; logits over the target vocab)."""
+    eps = sp["eps"]
+
     def rms(x, weight):
         xf = x.float()
         return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
-    lay = cfg["transformer_layer_config"]
-    nh, nkv, d = lay["num_attention_heads"], lay["num_key_value_heads"], lay["head_dim"]
+    nh, nkv, d = sp["nh"], sp["nkv"], sp["d"]
     x = hidden
-    if cfg["norm_before_fc"]:
+    if sp["norm_before_fc"]:
         x = rms(x, w["input_norm.weight"])
-    if cfg["fc_norm"]:
+    if sp["fc_norm"]:
         x = torch.cat([rms(c, w[f"fc_norm.{i}.weight"])
-                       for i, c in enumerate(x.chunk(len(IDS), -1))], -1)
+                       for i, c in enumerate(x.chunk(n_aux, -1))], -1)
     h = x @ w["fc.weight"].T
-    emb = rms(F.embedding(ids, target_weights()[0]), w["midlayer.input_layernorm.weight"])
-    if cfg["norm_before_residual"]:
+    emb = F.embedding(ids, target_weights()[0] if embed is None else embed)
+    emb = rms(emb, w["midlayer.input_layernorm.weight"])
+    if sp["norm_before_residual"]:
         h = rms(h, w["midlayer.hidden_norm.weight"])
         residual = h
     else:
@@ -55,14 +90,19 @@ def _vllm_eagle3(w: dict, cfg: dict, hidden, ids, eps: float):
         h = rms(h, w["midlayer.hidden_norm.weight"])
     a = torch.cat([emb, h], -1)
     T = a.shape[0]
-    q = (a @ w["midlayer.self_attn.q_proj.weight"].T).view(T, nh, d).transpose(0, 1)
-    k = (a @ w["midlayer.self_attn.k_proj.weight"].T).view(T, nkv, d).transpose(0, 1)
+    q = (a @ w["midlayer.self_attn.q_proj.weight"].T).view(T, nh, d)
+    k = (a @ w["midlayer.self_attn.k_proj.weight"].T).view(T, nkv, d)
     v = (a @ w["midlayer.self_attn.v_proj.weight"].T).view(T, nkv, d).transpose(0, 1)
-    inv = 1.0 / lay["rope_theta"] ** (torch.arange(0, d, 2).float() / d)
-    ang = torch.arange(T).float()[:, None] * inv
+    if sp["qk_norm"]:
+        q, k = rms(q, w["midlayer.self_attn.q_norm.weight"]), rms(k, w["midlayer.self_attn.k_norm.weight"])
+    q, k = q.transpose(0, 1), k.transpose(0, 1)
+    inv = 1.0 / (sp["theta"] ** (torch.arange(0, d, 2).float() / d))
+    if sp["llama3"]:
+        inv = _llama3_inv_freq(inv, sp["llama3"])
+    ang = positions.float()[:, None] * inv
     cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
 
-    def rope(t):  # neox style, as vLLM's Llama
+    def rope(t):  # neox style, as vLLM's Llama and Qwen3
         t1, t2 = t.chunk(2, -1)
         return t * cos + torch.cat([-t2, t1], -1) * sin
 
@@ -74,14 +114,25 @@ def _vllm_eagle3(w: dict, cfg: dict, hidden, ids, eps: float):
     m = (F.silu(m @ w["midlayer.mlp.gate_proj.weight"].T) * (m @ w["midlayer.mlp.up_proj.weight"].T)
          ) @ w["midlayer.mlp.down_proj.weight"].T
     prenorm = m + residual
-    draft = rms(prenorm, w["norm.weight"]) @ w["lm_head.weight"].T
+    normed = rms(prenorm, w["norm.weight"])
+    draft = normed @ w["lm_head.weight"].T
+    if "d2t" not in w:
+        return (normed if sp["norm_output"] else prenorm), draft
     full = torch.full((T, V), float("-inf"))
     full[:, torch.arange(draft.shape[-1]) + w["d2t"]] = draft  # vLLM: base + d2t offsets
-    return prenorm, full
+    return (normed if sp["norm_output"] else prenorm), full
+
+
+# Llama-3.1 scaling shrunk with the head (head_dim 8, wavelengths 6, 167, 4443, 118k): one
+# frequency kept (< 512 / 4), one interpolated, two slowed (> 512)
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 512}
 
 
 @pytest.mark.parametrize("opts", [{}, {"norm_before_residual": True}, {"fuse_norm": True},
-                                  {"norm_before_fc": True}])
+                                  {"norm_before_fc": True}, {"norm_output": True},
+                                  {"qk_norm": True, "rope_theta": 1e6},
+                                  {"rope_scaling": LLAMA3, "rope_theta": 5e5}])
 def test_export_import_round_trip_and_vllm_math(tmp_path, opts):
     head = eagle3(**opts)
     out = save_speculators(head, tmp_path / "spec", verifier="smollm2", num_speculative_tokens=4)
@@ -114,12 +165,14 @@ def test_export_import_round_trip_and_vllm_math(tmp_path, opts):
     back.eval()
     g = torch.Generator().manual_seed(0)
     hidden, ids = torch.randn(7, 3 * H, generator=g), torch.randint(0, V, (7,), generator=g)
-    pos = torch.arange(7)[None]
+    pos = torch.arange(7)[None] * 9  # up to 54: across LLAMA3's scaled wavelengths
     mine, _ = head(head.project(hidden)[None], ids[None], pos)
     theirs, _ = back(back.project(hidden)[None], ids[None], pos)
     torch.testing.assert_close(theirs, mine, rtol=0, atol=0)
-    prenorm, logits = _vllm_eagle3(w, cfg, hidden, ids, head.config.rms_norm_eps)
-    torch.testing.assert_close(mine[0], prenorm, rtol=1e-5, atol=1e-5)
+    assert cfg["transformer_layer_config"]["model_type"] == ("qwen3" if "qk_norm" in opts
+                                                             else "llama")
+    feature, logits = _vllm_eagle3(w, _spec(cfg), hidden, ids, pos[0])
+    torch.testing.assert_close(mine[0], feature, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(head.logits(mine[0]), logits, rtol=1e-5, atol=1e-4)
 
     # drafting a tree from the imported head: identical log-probs
@@ -160,7 +213,7 @@ def _export(tmp_path):
     (lambda c, w: c.update(speculators_model_type="mlp_speculator"),
      r"speculators_model_type='mlp_speculator' is not supported \(supported: 'eagle3'\)"),
     (lambda c, w: c["transformer_layer_config"].update(num_hidden_layers=2),
-     r"num_hidden_layers=2 is not supported \(supported: 1\)"),
+     r"num_hidden_layers=2 is not supported \(supported: 1\).*\"method\": \"eagle3\""),
     (lambda c, w: w.pop("d2t"), r"draft_vocab_size=20 < vocab_size=50 but the weights have no d2t"),
     (lambda c, w: w.update({"fc.weight": torch.zeros(H, 2 * H)}),
      rf"fuse.weight has shape \[{H}, {2 * H}\], the config needs \[{H}, {3 * H}\]"),
@@ -170,8 +223,34 @@ def _export(tmp_path):
      r"\[1, 4\] has \[4\] outside 0..3"),
     (lambda c, w: w.update({"mask_hidden": torch.zeros(3 * H)}), "parallel drafting"),
     (lambda c, w: c["transformer_layer_config"].update(
-        rope_parameters={"rope_type": "llama3", "rope_theta": 5e5}),
-     r"rope_parameters.rope_type='llama3' is not supported"),
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 5e5}),
+     r"transformer_layer_config.rope_parameters.rope_type='yarn' is not supported"),
+    (lambda c, w: c["transformer_layer_config"].update(
+        rope_scaling={"rope_type": "llama3", "factor": 8.0}, rope_parameters=None),
+     r"rope_scaling of type 'llama3' lacks \['low_freq_factor'"),
+    (lambda c, w: c["transformer_layer_config"].update(
+        layer_types=["sliding_attention"], sliding_window=4096),
+     r"layer_types\[0\]='sliding_attention' is not supported .*refused rather than served "
+     "with full attention"),
+    (lambda c, w: c["transformer_layer_config"].update(use_sliding_window=True,
+                                                       sliding_window=4096),
+     r"transformer_layer_config.use_sliding_window=True is not supported"),
+    (lambda c, w: c["transformer_layer_config"].update(attention_bias=True),
+     r"attention_bias=True is not supported"),
+    (lambda c, w: c["transformer_layer_config"].update(hidden_act="gelu"),
+     r"hidden_act='gelu' is not supported \(supported: 'silu'\)"),
+    (lambda c, w: c["transformer_layer_config"].update(model_type="mistral"),
+     r"model_type='mistral' is not supported \(supported: 'llama' or 'qwen3'\)"),
+    (lambda c, w: c["transformer_layer_config"].update(partial_rotary_factor=0.5),
+     r"partial_rotary_factor=0.5 is not supported"),
+    (lambda c, w: c["transformer_layer_config"].update(logit_scale=2.0),
+     r"logit_scale=2.0 is not supported"),
+    (lambda c, w: c.update(target_hidden_size=64), r"target_hidden_size=64 is not supported"),
+    (lambda c, w: c["transformer_layer_config"].update(
+        eagle_config={"use_aux_hidden_state": False}),
+     r"eagle_config.use_aux_hidden_state=False is not supported"),
+    (lambda c, w: c["transformer_layer_config"].pop("intermediate_size"),
+     r"transformer_layer_config.intermediate_size is missing"),
     (lambda c, w: c.update(eagle_aux_hidden_state_layer_ids=[1, 1, 2]), "repeats a layer"),
     (lambda c, w: c["transformer_layer_config"].update(num_aux_hidden_states=2),
      r"num_aux_hidden_states=2 but eagle_aux_hidden_state_layer_ids has 3 layers"),
