@@ -1,10 +1,17 @@
 """EAGLE-3 heads in the speculators format (heads/speculators.py), tiny configs, no vLLM.
 
-* export -> import is the identity (same logits, same drafted trees), for every norm option;
-* the exported tensors computed the way vLLM 0.32's `llama_eagle3.py` computes them (written
-  out below from that file, on the exported names) give our head's features and logits;
-* bad folders are refused naming the field and both values; export refuses the eagle1 layout
-  and the post-norm output layer;
+* export -> import is the identity (same logits, same drafted trees), for every norm option,
+  `norm_output`, a Qwen3 draft layer (q/k norms) and Llama-3.1 rope scaling;
+* the exported tensors computed the way vLLM 0.32's `llama_eagle3.py` / `qwen3_eagle3.py`
+  compute them (written out below from those files, on the exported names) give our head's
+  features and logits;
+* published EAGLE-3 configs (tests/fixtures/eagle3, SOURCES.md there) read field by field as
+  vLLM 0.32's config code reads them, and each, shrunk to tiny dims with random weights in the
+  flat layout, imports with vLLM's math; Llama-3.1 rope frequencies equal vLLM's;
+* bad folders (speculators or flat) are refused naming the field and both values, a sliding
+  window and more than one draft layer included; a source that is neither a folder nor a
+  downloadable hub id is refused; export refuses the eagle1 layout and the post-norm output
+  layer;
 * Medusa heads in vLLM's own Medusa format (heads/medusa.py save_vllm_medusa): the exported
   tensors computed the way vLLM 0.32's `medusa.py` computes them give our heads' logits, with the
   target's LM head shared or each head's own.
@@ -12,8 +19,10 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +31,8 @@ from safetensors.torch import load_file, save_file
 from test_heads import H, Tree, V, make_eagle, make_medusa, sig, target_weights
 
 from treedraft.heads import load_head
-from treedraft.heads.speculators import load_speculators, save_speculators
+from treedraft.heads.eagle import LLAMA3_ROPE_KEYS, rope_inv_freq
+from treedraft.heads.speculators import draft_layer, load_speculators, save_speculators
 
 IDS = (1, 2, 3)  # target layers (L = 4): all < L, as vLLM's auxiliary layers must be
 
@@ -344,3 +354,154 @@ def test_medusa_export_refuses_other_heads(tmp_path):
     assert not (tmp_path / "out").exists()
     with pytest.raises(ValueError, match="'medusa' layout"):  # and the other way round
         save_speculators(make_medusa(), tmp_path / "out2", verifier="t")
+
+
+# ---------------------------------------------------------------- published configs
+FIXTURES = Path(__file__).parent / "fixtures" / "eagle3"  # sources: SOURCES.md there
+FIXTURE_NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").is_file())
+
+
+def _fixture(name: str) -> dict:
+    return json.loads((FIXTURES / name / "config.json").read_text())
+
+
+def _vllm_reads(cfg: dict) -> dict:
+    """What vLLM 0.32 builds its EAGLE-3 drafter from: the hf config its loader makes of this
+    config.json (speculators format: SpeculatorsConfig; flat: the transformers config that
+    EAGLEConfig wraps), rope standardized by patch_rope_parameters, read with the getattr
+    defaults of llama_eagle3.py / qwen3_eagle3.py."""
+    pytest.importorskip("vllm")
+    from transformers import AutoConfig
+    from vllm.transformers_utils.config import patch_rope_parameters
+
+    cfg = copy.deepcopy(cfg)
+    if "speculators_model_type" in cfg:
+        from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+        hf = SpeculatorsConfig(**SpeculatorsConfig.extract_transformers_pre_trained_config(cfg))
+    else:
+        hf = AutoConfig.for_model(**cfg)
+    patch_rope_parameters(hf)
+    rope = dict(hf.rope_parameters)
+    eagle_config = getattr(hf, "eagle_config", None) or {}
+    types = getattr(hf, "layer_types", None) or []
+    return {
+        "hidden_size": hf.hidden_size, "num_attention_heads": hf.num_attention_heads,
+        "num_key_value_heads": hf.num_key_value_heads, "intermediate_size": hf.intermediate_size,
+        "head_dim": getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+        "rms_norm_eps": hf.rms_norm_eps, "rope_theta": float(rope["rope_theta"]),
+        "rope_scaling": None if rope["rope_type"] == "default" else {
+            k: rope[k] for k in ("rope_type", *LLAMA3_ROPE_KEYS)},
+        "qk_norm": hf.architectures[0] == "Eagle3Qwen3ForCausalLM",
+        "norm_before_residual": bool(getattr(hf, "norm_before_residual", False)),
+        "norm_before_fc": bool(eagle_config.get("norm_before_fc",
+                                                getattr(hf, "norm_before_fc", False))),
+        "fuse_norm": bool(getattr(hf, "fc_norm", False)),
+        "norm_output": bool(getattr(hf, "norm_output", False)),
+        # vLLM's draft layer 0 attends through a window only where layer_types says so
+        "sliding_window": hf.sliding_window if types[:1] == ["sliding_attention"] else None,
+        "num_hidden_layers": hf.num_hidden_layers,
+        "draft_vocab_size": getattr(hf, "draft_vocab_size", None) or hf.vocab_size,
+    }
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_published_config_reads_as_vllm_reads_it(name):
+    cfg = _fixture(name)
+    ours = draft_layer(name, cfg)
+    vllm = _vllm_reads(cfg)
+    assert vllm["num_hidden_layers"] == 1 and vllm["sliding_window"] is None
+    ours["head_dim"] = ours["head_dim"] or ours["hidden_size"] // ours["num_attention_heads"]
+    for field, value in ours.items():
+        assert value == vllm[field], f"{name}: {field}: treedraft {value!r}, vLLM {vllm[field]!r}"
+    assert cfg["draft_vocab_size"] == vllm["draft_vocab_size"]
+
+
+def _shrink(cfg: dict) -> dict:
+    """The same config at test_heads' dims (H=32, 4 heads of 8, V=50, a 20-token draft
+    vocabulary); every structural field (rope scaling, norms, layout) kept."""
+    tiny = {**cfg, "hidden_size": H, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "intermediate_size": 64, "vocab_size": V, "draft_vocab_size": 20}
+    if "head_dim" in cfg:
+        tiny["head_dim"] = 8
+    return tiny
+
+
+def _flat_weights(seed: int = 0, n_aux: int = 3, vd: int = 20) -> dict[str, torch.Tensor]:
+    """Random weights named as the flat layout stores them (EAGLE authors', SpecForge's)."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"fc.weight": (H, n_aux * H), "norm.weight": (H,), "lm_head.weight": (vd, H),
+              "midlayer.input_layernorm.weight": (H,), "midlayer.hidden_norm.weight": (H,),
+              "midlayer.self_attn.q_proj.weight": (32, 2 * H),
+              "midlayer.self_attn.k_proj.weight": (16, 2 * H),
+              "midlayer.self_attn.v_proj.weight": (16, 2 * H),
+              "midlayer.self_attn.o_proj.weight": (H, 32),
+              "midlayer.post_attention_layernorm.weight": (H,),
+              "midlayer.mlp.gate_proj.weight": (64, H), "midlayer.mlp.up_proj.weight": (64, H),
+              "midlayer.mlp.down_proj.weight": (H, 64)}
+    w = {k: (1 + 0.1 * torch.randn(s, generator=g)) if len(s) == 1
+         else torch.randn(s, generator=g) * s[-1] ** -0.5 for k, s in shapes.items()}
+    ids = torch.randperm(V, generator=g)[:vd].sort().values
+    w["d2t"] = ids - torch.arange(vd)  # offsets, as EAGLE-3 stores them
+    w["t2d"] = torch.zeros(V, dtype=torch.bool).index_fill(0, ids, True)
+    return w
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_published_config_imports_with_vllms_math(tmp_path, name):
+    cfg = _shrink(_fixture(name))
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    w = _flat_weights()
+    save_file(w, str(tmp_path / "model.safetensors"))
+    target = sig(num_hidden_layers=8)  # vLLM's default layers (2, 4, 5): none named here
+    head = load_head(tmp_path, target=target)
+    assert head.config.target_layer_ids == (2, 4, 5) and head.config.default_tree == "chain:3"
+    assert head.config.rope_scaling == _vllm_reads(cfg)["rope_scaling"]
+    head.bind_target(*target_weights())
+    head.eval()
+    g = torch.Generator().manual_seed(1)
+    hidden, ids = torch.randn(7, 3 * H, generator=g), torch.randint(0, V, (7,), generator=g)
+    pos = torch.arange(7) * 700  # across the fixtures' scaled wavelengths
+    with torch.no_grad():
+        mine, _ = head(head.project(hidden)[None], ids[None], pos[None])
+    feature, logits = _vllm_eagle3(w, _spec(cfg), hidden, ids, pos)
+    torch.testing.assert_close(mine[0], feature, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(head.logits(mine[0]), logits, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("edit, msg", [
+    (lambda c: c.update(num_hidden_layers=2), r": num_hidden_layers=2 is not supported"),
+    (lambda c: c.update(layer_types=["sliding_attention"], sliding_window=64),
+     r": layer_types\[0\]='sliding_attention' is not supported"),
+    (lambda c: c.update(rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+     r": rope_scaling.rope_type='dynamic' is not supported"),
+])
+def test_flat_layout_refusals_name_the_top_level_field(tmp_path, edit, msg):
+    cfg = _shrink(_fixture("specforge-llama3-8b"))
+    edit(cfg)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    save_file(_flat_weights(), str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=msg):
+        load_speculators(tmp_path, target=sig(num_hidden_layers=8))
+
+
+def test_llama3_rope_frequencies_are_vllms():
+    pytest.importorskip("vllm")
+    from vllm.model_executor.layers.rotary_embedding.llama3_rope import Llama3RotaryEmbedding
+
+    rs = _fixture("specforge-llama3-70b")["rope_scaling"]
+    emb = object.__new__(Llama3RotaryEmbedding)  # just the frequency math, no custom op
+    emb.rotary_dim, emb.head_size = 128, 128
+    emb.scaling_factor, emb.low_freq_factor = rs["factor"], rs["low_freq_factor"]
+    emb.high_freq_factor, emb.orig_max_position = (rs["high_freq_factor"],
+                                                   rs["original_max_position_embeddings"])
+    torch.testing.assert_close(rope_inv_freq(128, 5e5, rs, "cpu"),
+                               emb._compute_inv_freq(5e5), rtol=0, atol=0)
+
+
+def test_source_neither_folder_nor_hub_id_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="neither a local folder nor a downloadable hub id"):
+        load_speculators("treedraft-tests/no-such-eagle3-head", target=sig())
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="is a file; give the EAGLE-3 folder"):
+        load_speculators(tmp_path / "config.json", target=sig())
