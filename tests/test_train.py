@@ -827,3 +827,45 @@ def test_export_reads_the_targets_config_and_tokenizer_not_its_weights(tmp_path,
     lm = load_file(tmp_path / "medusa" / "model.safetensors")["lm_heads.0.weight"]
     with safe_open(str(real / "model.safetensors"), framework="pt") as f:  # tied to embeddings
         assert torch.equal(lm, f.get_tensor("model.embed_tokens.weight").to(lm.dtype))
+
+
+def test_replies_sharded_across_ranks_are_gathered_into_one_cache(tiny, tmp_path, monkeypatch):
+    import threading
+
+    from treedraft.training.target import open_target
+
+    loaded, cfg, data = open_target(tiny[0]), cfg_of(tiny, tmp_path), tmp_path / "data"
+    rows = [(f"p{i}", [{"role": "user", "content": p}]) for i, p in enumerate(PROMPTS)]
+    asked: dict[str, list] = {}
+
+    def engine(loaded, cfg):  # a reply per prompt: its length, recorded per rank (thread)
+        def generate_(prompts, temperature):
+            asked.setdefault(threading.current_thread().name, []).extend(map(tuple, prompts))
+            return [[len(p)] for p in prompts]
+        return generate_
+
+    monkeypatch.setattr(generate, "transformers_engine", engine)
+    barrier, seqs = threading.Barrier(2, timeout=60), {}
+
+    def rank(r: int) -> None:
+        seqs[r] = generate.build_sequences(loaded, rows, cfg, data,
+                                           shard=generate.Shard(r, 2, barrier.wait))
+
+    threads = [threading.Thread(target=rank, args=(r,), name=f"rank{r}") for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    prompts = generate.encode_prompts(loaded.tokenizer, rows, cfg)
+    for r in (0, 1):  # prompt i on rank i % 2, every rank ends with every reply
+        assert sorted(asked[f"rank{r}"]) == sorted(tuple(ids) for _, ids in prompts[r::2])
+        assert [(s.id, s.input_ids) for s in seqs[r]] == [
+            (rid, ids + [len(ids)]) for rid, ids in prompts]
+    cache, = data.iterdir()  # the shards merged into the single process's cache
+    single = generate.build_sequences(loaded, rows, cfg, data, generate_missing=False)
+    assert [s.input_ids for s in single] == [s.input_ids for s in seqs[0]]
+    # a killed torchrun run's shard counts until the next run merges it
+    generate.shard_path(cache, 1).write_text('{"id": "late", "reply": [7]}\n{"id": "cu')
+    assert generate.read_cache(cache)["late"] == [7]
+    generate.merge_shards(cache, {})
+    assert list(data.iterdir()) == [cache] and generate.read_cache(cache)["late"] == [7]

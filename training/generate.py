@@ -12,6 +12,12 @@ Features
 - Replies are cached as JSONL in out_dir/data/gen-<hash>.jsonl (hash of target, engine and
   sampling settings), appended batch by batch: a killed generation or a re-run only generates
   what is missing. Token ids only: small, not a hidden-state dump.
+- Sharded under torchrun (`Shard`): rank r answers the prompts i with i % world == r (the
+  transformers engine, on the rank's device; a vLLM engine places itself over
+  gen_tensor_parallel_size GPUs, so rank 0's answers all) into a file of its own (gen-<hash>.rank<r>.jsonl); after a barrier rank 0 appends the shards to the
+  shared cache and removes them, and after a second every rank reads the full cache. A cache
+  read also reads shards a killed run left, so the cache of a torchrun run and of a single
+  process are one.
 - `regenerate=False`: the dataset's own first assistant reply is used instead.
 - Output: `Seq(id, input_ids, prompt_len)`; the loss covers positions >= prompt_len (the reply).
 """
@@ -22,7 +28,8 @@ import hashlib
 import importlib
 import json
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -36,6 +43,36 @@ ENGINES: dict[str, str] = {
     "transformers": "treedraft.training.generate:transformers_engine",
     "vllm": "treedraft.plugin.generate:vllm_engine",
 }
+
+
+# engines that generate on the device of the process that calls them: each torchrun rank runs one
+PER_RANK_ENGINES = frozenset({"transformers"})
+
+
+@dataclass
+class Shard:
+    """This process's share of reply generation: prompt i is answered by rank i % world;
+    `barrier` waits for every rank (torch.distributed's under torchrun)."""
+    rank: int = 0
+    world: int = 1
+    barrier: Callable[[], None] = field(default=lambda: None, repr=False)
+
+    def owns(self, i: int, engine: str) -> bool:
+        """Whether this rank answers prompt i: its share with an engine that runs on the rank's
+        device; all of them on rank 0 with an engine that places itself (vLLM: its
+        gen_tensor_parallel_size GPUs)."""
+        return i % self.world == self.rank if engine in PER_RANK_ENGINES else self.rank == 0
+
+    def path(self, cache: Path) -> Path:
+        """The file this rank appends its replies to: the cache itself in a single process."""
+        return cache if self.world == 1 else shard_path(cache, self.rank)
+
+
+SINGLE = Shard()  # one process answers every prompt
+
+
+def shard_path(cache: Path, rank: int) -> Path:
+    return cache.with_name(f"{cache.stem}.rank{rank}.jsonl")
 
 
 @dataclass
@@ -68,17 +105,18 @@ def encode_prompts(tokenizer, rows: list[tuple[str, list[dict]]], cfg: TrainConf
 
 def build_sequences(loaded, rows: list[tuple[str, list[dict]]], cfg: TrainConfig,
                     data_dir: Path | None, first: frozenset[str] = frozenset(),
-                    generate_missing: bool = True, held_out: frozenset[str] = frozenset()
-                    ) -> list[Seq]:
+                    generate_missing: bool = True, held_out: frozenset[str] = frozenset(),
+                    shard: Shard = SINGLE) -> list[Seq]:
     """Prompt + reply sequences for `rows` ((id, messages) pairs), cut at max_seq_len. Rows
     whose reply was not written (gen_time_limit_minutes, or generate_missing=False: the cache
     only) are left out; ids in `first` are answered before the others. With gen_all_replies,
     the cached replies at the other temperatures follow, as ids `<id>@T<t>` (none for the ids
-    in `held_out`)."""
+    in `held_out`). Under torchrun (`shard`) each rank answers its share and every rank
+    returns the sequences of all ranks' replies."""
     prompts = encode_prompts(loaded.tokenizer, rows, cfg)
     caches = reply_caches(loaded, cfg, data_dir) if cfg.regenerate else []
     if cfg.regenerate:
-        replies = regenerate(loaded, prompts, cfg, caches, first, generate_missing)
+        replies = regenerate(loaded, prompts, cfg, caches, first, generate_missing, shard)
     else:
         replies = dataset_replies(loaded.tokenizer, rows, dict(prompts))
     seqs = [Seq(rid, (ids + replies[rid])[: cfg.max_seq_len], len(ids)) for rid, ids in prompts
@@ -166,9 +204,12 @@ def _cache_path(loaded, cfg: TrainConfig, data_dir: Path) -> tuple[Path, dict]:
 
 
 def read_cache(path: Path) -> dict[str, list[int]]:
+    """The replies in the cache file `path` and in the rank shards beside it."""
     out = {}
-    if path.is_file():
-        with path.open() as f:
+    for file in [path, *sorted(path.parent.glob(f"{path.stem}.rank*.jsonl"))]:
+        if not file.is_file():
+            continue
+        with file.open() as f:
             for line in f:
                 try:
                     rec = json.loads(line)
@@ -177,6 +218,20 @@ def read_cache(path: Path) -> dict[str, list[int]]:
                 if "id" in rec:
                     out[rec["id"]] = rec["reply"]
     return out
+
+
+def merge_shards(path: Path, meta: dict) -> None:
+    """Append the rank shards beside the cache file `path` to it and remove them."""
+    shards = sorted(path.parent.glob(f"{path.stem}.rank*.jsonl"))
+    if not shards:
+        return
+    if not path.exists():
+        path.write_text(json.dumps({"meta": meta}) + "\n")
+    with path.open("a") as out:
+        for shard in shards:
+            out.writelines(line for line in shard.open()  # replies, no header, no cut line
+                           if line.startswith('{"id"') and line.endswith("\n"))
+            shard.unlink()
 
 
 def prompts_per_call(cfg: TrainConfig) -> int:
@@ -199,19 +254,22 @@ def generation_order(todo: list[tuple[str, list[int]]], window: int | None,
 
 def regenerate(loaded, prompts: list[tuple[str, list[int]]], cfg: TrainConfig,
                caches: list, first: frozenset[str] = frozenset(),
-               generate_missing: bool = True) -> dict[str, list[int]]:
+               generate_missing: bool = True, shard: Shard = SINGLE) -> dict[str, list[int]]:
     """Replies by the target to each prompt, from the caches (`reply_caches`) where present.
     With `gen_temperatures` prompt i is answered at temperatures[i % n], and batches of the
     temperatures take turns. With `gen_time_limit_minutes` no new batch starts after that
     long: the prompts not answered by then get no reply (ids in `first` are answered first, in
     every temperature). generate_missing=False reads the caches only (a DDP rank > 0 after rank
-    0 generated; the resume of a run whose generation was cut, which must see the same data)."""
+    0 generated; the resume of a run whose generation was cut, which must see the same data).
+    Under torchrun (`shard`) this rank answers the prompts i with i % world == rank, then
+    every rank reads all ranks' replies (`gather_shards`)."""
     done: dict[str, list[int]] = {}
     groups = []  # (temperature, cache path, meta, prompts to generate)
     for j, (t, path, meta, cached) in enumerate(caches):
-        part = prompts[j::len(caches)]
-        done.update({rid: cached[rid] for rid, _ in part if rid in cached})
-        todo = [(rid, ids) for rid, ids in part if rid not in cached]
+        part = [(i, rid, ids) for i, (rid, ids) in enumerate(prompts) if i % len(caches) == j]
+        done.update({rid: cached[rid] for _, rid, _ in part if rid in cached})
+        todo = [(rid, ids) for i, rid, ids in part
+                if rid not in cached and shard.owns(i, cfg.gen_engine)]
         # longest first, so each batch holds similar lengths (less left padding), within
         # windows of 16 batches under a time limit: a cut stays unbiased
         window = None if cfg.gen_time_limit_minutes is None else 16 * prompts_per_call(cfg)
@@ -219,8 +277,10 @@ def regenerate(loaded, prompts: list[tuple[str, list[int]]], cfg: TrainConfig,
         if todo:
             groups.append((t, path, meta, todo))
     if groups and generate_missing:
-        _generate(loaded, cfg, groups, done, len(caches))
-    if missing := sum(rid not in done for rid, _ in prompts):
+        _generate(loaded, cfg, groups, done, len(caches), shard)
+    if shard.world > 1 and generate_missing:
+        done.update(gather_shards(prompts, caches, shard))
+    if (missing := sum(rid not in done for rid, _ in prompts)) and shard.rank == 0:
         why = (f"gen_time_limit_minutes={cfg.gen_time_limit_minutes}" if generate_missing
                else "replies read from the cache only")
         print(f"[treedraft] {why}: {len(prompts) - missing} of {len(prompts)} prompts have a "
@@ -229,10 +289,30 @@ def regenerate(loaded, prompts: list[tuple[str, list[int]]], cfg: TrainConfig,
     return done
 
 
-def _generate(loaded, cfg: TrainConfig, groups: list, done: dict, n_temps: int) -> None:
+def gather_shards(prompts: list[tuple[str, list[int]]], caches: list, shard: Shard
+                  ) -> dict[str, list[int]]:
+    """Every rank's replies, once each rank has written its share: rank 0 merges the shards
+    into the caches between two barriers, then each rank reads the caches."""
+    if any(path is None for _, path, _, _ in caches):
+        raise ValueError("reply generation under torchrun shares the replies through the reply "
+                         "cache: give a data_dir")
+    shard.barrier()  # every rank's shard is complete
+    if shard.rank == 0:
+        for _, path, meta, _ in caches:
+            merge_shards(path, meta)
+    shard.barrier()  # the caches hold every reply
+    done = {}
+    for j, (_, path, _, _) in enumerate(caches):
+        cached = read_cache(path)
+        done.update({rid: cached[rid] for rid, _ in prompts[j::len(caches)] if rid in cached})
+    return done
+
+
+def _generate(loaded, cfg: TrainConfig, groups: list, done: dict, n_temps: int,
+              shard: Shard = SINGLE) -> None:
     """Answer each group's prompts (temperature, cache path, meta, ordered prompts), one batch
     of each group in turn, until done or past gen_time_limit_minutes; replies into `done` and
-    appended to the group's cache."""
+    appended to the group's cache (this rank's shard of it under torchrun)."""
     import time
 
     from tqdm.auto import tqdm
@@ -242,8 +322,10 @@ def _generate(loaded, cfg: TrainConfig, groups: list, done: dict, n_temps: int) 
     chunk = prompts_per_call(cfg)
     temps = "/".join(f"{g[0]:g}" for g in groups)
     temp_note = "" if n_temps == 1 else f", T={temps}"
+    rank_note = "" if shard.world == 1 else f", rank {shard.rank}/{shard.world}"
     bar = tqdm(total=sum(len(g[3]) for g in groups), unit="prompt", disable=not cfg.progress,
-               desc=f"self-distill ({cfg.gen_engine}{temp_note})")
+               desc=f"self-distill ({cfg.gen_engine}{temp_note}{rank_note})", position=shard.rank)
+    groups = [(t, path and shard.path(path), meta, todo) for t, path, meta, todo in groups]
     for _, path, meta, _ in groups:
         if path:
             path.parent.mkdir(parents=True, exist_ok=True)

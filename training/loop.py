@@ -22,8 +22,9 @@ What happens, in order (every bad input fails before the expensive part):
      checkpoints every save_every steps (checkpoint.py);
   5. per-depth / per-rank acceptance rates (teacher forced, held-out data) go into
      head.config.acceptance_rates; the head is saved to out_dir/final.
-With torchrun (WORLD_SIZE > 1) the same code runs DDP: gloo on CPU, nccl on GPU, micro-batches
-sharded by rank, only rank 0 logs, evaluates and saves.
+With torchrun (WORLD_SIZE > 1) the same code runs DDP: gloo on CPU, nccl on GPU, each rank
+answers its share of the missing replies and trains on all of them (generate.py `Shard`),
+micro-batches sharded by rank, only rank 0 logs, evaluates and saves.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from . import checkpoint as ckpt_io
 from .config import TrainConfig
 from .distributed import Dist, all_sum, barrier, setup_distributed, wrap_ddp
 from .features import FeatureCache, TargetFeatures
-from .generate import Seq, build_sequences
+from .generate import Seq, Shard, build_sequences
 from .losses import acceptance_rates, eagle_loss, medusa_loss, rank_hits, soft_kl
 from .target import head_overrides
 
@@ -433,17 +434,14 @@ def train_step(model, head, batch_fn, order: DataOrder, optimizer, cfg: TrainCon
 
 def prepare_data(cfg: TrainConfig, loaded, d: Dist, cache_only: bool = False
                  ) -> tuple[list[Seq], list[Seq], list]:
-    """(training sequences, held-out sequences, held-out rows); rank 0 generates replies (none
-    with cache_only), the other ranks read what it wrote."""
+    """(training sequences, held-out sequences, held-out rows); each rank generates its share
+    of the missing replies (none with cache_only) and every rank gets all of them."""
     train_rows, eval_rows = load_rows(cfg)
     data_dir = Path(cfg.data_dir) if cfg.data_dir else Path(cfg.out_dir) / "data"
-    if d.world > 1 and not d.main:
-        barrier()  # wait for rank 0 to fill the reply cache, then read it
     eval_ids = frozenset(rid for rid, _ in eval_rows)
     seqs = build_sequences(loaded, train_rows + eval_rows, cfg, data_dir, first=eval_ids,
-                           generate_missing=d.main and not cache_only, held_out=eval_ids)
-    if d.world > 1 and d.main:
-        barrier()
+                           generate_missing=not cache_only, held_out=eval_ids,
+                           shard=Shard(d.rank, d.world, barrier))
     train_seqs = [s for s in seqs if s.id not in eval_ids]
     if not train_seqs:
         hint = (f": gen_cache_only=true and the reply cache in {data_dir} answers none of these "
