@@ -19,9 +19,9 @@ its own) or ``method`` is ``"treedraft"``:
 Tree shape: ``tree`` if given, else ``chain:num_speculative_tokens`` if that is given, else the
 head's ``default_tree`` under ``"auto"``. ``"auto"`` drafts at most that tree with
 ``AUTO_LOOKUP`` prompt-lookup nodes grafted (``"auto:SPEC"``: at most SPEC, lookup only if SPEC
-has ``+lookup:N``) and lets the proposer choose each step's head node budget, down to 0, and
-whether to graft the lookup nodes, from measured step cost and what drafts earned
-(heads/cost.py); it is what a config naming only the head gets. Chains are verified by vLLM's
+has ``+lookup:N``) and lets the proposer choose each step's spec among a few fixed ones, from
+nothing drafted to that tree, by the tokens per second each realized in the engine
+(heads/policy.py); it is what a config naming only the head gets. Chains are verified by vLLM's
 own rejection sampler; branching trees by
 treedraft's tree verifier. Prompt lookup needs no head: ``{"method": "treedraft", "tree":
 "lookup:N"}`` drafts from each request's own history alone, and ``"+lookup:N"`` after a head's
@@ -110,7 +110,7 @@ def target_signature(model_config) -> Any:
     )
 
 
-AUTO = "auto"  # "tree": "auto" or "auto:SPEC": the node budget chosen per step (heads/cost.py)
+AUTO = "auto"  # "tree": "auto" or "auto:SPEC": each step's spec chosen (heads/policy.py)
 # lookup nodes plain "auto" may graft. Measured with `treedraft bench` (SmolLM2, MT-bench,
 # 256 tokens, batch 1, T=0, a 2-core AVX2 EPYC): `lookup:4` 1.41x no-spec, `chain:1+lookup:4`
 # 1.41x, one head node 1.06x

@@ -74,7 +74,7 @@ def runner_of(llm):
 
 
 def auto_tally(llm) -> str | None:
-    """What `"tree": "auto"` did in this engine so far (plugin.proposer.AutoBudget.tally), or
+    """What `"tree": "auto"` did in this engine so far (plugin.proposer.AutoArms.tally), or
     None for an engine without auto."""
     auto = getattr(getattr(runner_of(llm), "drafter", None), "auto", None)
     return auto.tally() if auto is not None else None

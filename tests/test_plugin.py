@@ -13,7 +13,6 @@ layout, the accepted-path KV copy, tree-step bookkeeping, and `--speculative-con
 
 from __future__ import annotations
 
-import itertools
 import json
 import shutil
 from types import SimpleNamespace
@@ -756,361 +755,56 @@ def test_spec_decode_log_line_gains_the_histogram_in_treedraft_engines_only():
     assert stock and not any("treedraft" in line for line in stock), stock
 
 
-def test_auto_sampled_chains_stay_within_what_the_head_drafts():
-    """Under auto a sampled request draws its n head nodes as one chain from q: never deeper
-    than the step's budget, the head's tree, or a Medusa head's heads (one per depth: deeper,
-    its session raises and the engine died)."""
-    from treedraft.heads.common import load_head
-    from treedraft.heads.shipped import resolve_head
-    from treedraft.heads.tree import MAX_TREE_DEPTH, parse_tree_spec
-    from treedraft.plugin.proposer import auto_chain_depth
-
-    medusa = load_head(resolve_head("smollm2-135m-medusa"))
-    eagle = load_head(resolve_head("smollm2-135m-eagle"))
-    static, dyn = parse_tree_spec("static:32"), parse_tree_spec("dynamic:64,6,8+lookup:4")
-    assert auto_chain_depth(8, 64, static, medusa) == medusa.config.num_heads == 4
-    assert auto_chain_depth(3, 64, static, medusa) == 3
-    assert auto_chain_depth(16, 64, dyn, eagle) == 6 and auto_chain_depth(16, 5, dyn, eagle) == 5
-    assert auto_chain_depth(32, 64, static, eagle) == MAX_TREE_DEPTH
-    assert auto_chain_depth(0, 64, dyn, eagle) == 0
-
-
-def test_auto_explores_up_from_nothing_with_a_few_requests():
+def test_auto_arms_follow_the_spec_and_the_heads_depth():
+    """`"tree": "auto"` plays fixed specs: chains of 1-4 head nodes (with the spec's lookup
+    nodes for greedy batches, plain chains drawn from q for sampling ones) and the head's own
+    kind of tree up to the spec's size; a Medusa head's chains stop at its number of heads."""
     from treedraft.heads.tree import parse_tree_spec
-    from treedraft.plugin.proposer import AutoBudget
+    from treedraft.plugin.proposer import AutoArms
 
-    # before any step is measured "auto" drafts nothing and explores one node now and then,
-    # with one request (the one with the least to catch up: each catches up on all its pairs)
-    # at batch 32 and at batch 4 (4 requests spent ~40 ms of catch-up per exploration, session
-    # 18); at batch 1 with it
-    for batch, few in ((32, 1), (4, 1), (1, None)):
-        auto = AutoBudget(parse_tree_spec("dynamic:10,3,3"))
-        auto.set_rates(None)  # the default acceptance table: budgets 0, 1, 2, ...
-        got, exploring = [], []
-        for _ in range(8):
-            got.append(auto.choose(batch))
-            exploring.append(auto.exploring)
-        assert got.count((0, None)) >= 6 and got.count((1, few)) >= 1, got
-        assert set(got) == {(0, None), (1, few)}, got
-        # an exploration grafts no lookup (propose_step): `exploring` marks exactly those steps
-        assert exploring == [g == (1, few) for g in got], (got, exploring)
+    auto = AutoArms(parse_tree_spec("dynamic:60,6,8+lookup:4"), None)
+    greedy, sampled = auto.bandit.arms[False], auto.bandit.arms[True]
+    assert greedy[1] == "chain:1+lookup:4" and greedy[-1] == "dynamic:60,6,8+lookup:4"
+    assert sampled[1:5] == ["chain:1", "chain:2", "chain:3", "chain:4"]
+    assert all(auto.specs[a].chain_nodes == k for k, a in enumerate(sampled[1:5], 1))
+    assert auto.plan(1) is None  # the first arm measured: drafting nothing
+    medusa = AutoArms(parse_tree_spec("static:32"), 2)
+    assert medusa.bandit.arms[False] == ["none", "chain:1", "chain:2", "static:8", "static:16",
+                                         "static:32"]
 
 
-def test_auto_observes_greedy_and_sampled_requests_apart():
-    """What the drafts of last step earned goes to the temperature class of their request: a
-    sampled request that accepted nothing lowers the sampled acceptance only, a greedy one that
-    accepted all the table promised keeps the greedy one; lookup grafts likewise; the head is
-    observed on the steps its request grafted no lookup, per budget drafted."""
-    from types import SimpleNamespace
-
-    from treedraft.heads.tree import parse_tree_spec
-    from treedraft.plugin.proposer import AutoBudget
-
-    auto = AutoBudget(parse_tree_spec("dynamic:10,3,3+lookup:4"))
-    auto.set_rates(None)
-    table = auto.policy.table
-    step = SimpleNamespace(num_scheduled_tokens={"g": 3, "s": 3},  # what vLLM's scheduler says
-                           scheduled_spec_decode_tokens={"g": [1, 2], "s": [1, 2]})
-    for k in range(100):  # every other step grafts lookup: the head is observed on the others
-        auto.choose(2, sampled=1)
-        auto.step_started()
-        auto.step_done(step, {"g": 2, "s": 2}, grafted={"g": (4, 2), "s": (4, 2)} if k % 2
-                       else None, sampling={"s"})
-        # g: both head drafts accepted (what a 2-node table promises, and more) except where
-        # lookup was grafted (nothing: not the head's doing, and not observed); s: nothing
-        auto.observe({"g": 1 if k % 2 else 3, "s": 1})
-    greedy, sampled = (a.kappa for a in auto.policy.acceptance)
-    assert greedy >= (2.0 / (table[2] - 1.0)) * 0.9 and sampled < 0.1, (greedy, sampled)
-    assert auto.policy.kappa(0.5) == pytest.approx((greedy + sampled) / 2)
-    # no lookup node was accepted (no accepted paths given): both classes measured grafts
-    assert all(v._sums[4][0] > 10 for v in auto.policy.lookup)
-    # and per budget: 2 head nodes each, so budget 2 of each class learnt what they earned,
-    # budgets it never drafted expect what budget 2 measured
-    lengths = auto.policy.lengths(0.0)
-    assert lengths[2] == pytest.approx(3.0, abs=0.1), lengths
-    assert auto.policy.lengths(1.0)[2] < 1.1
-    assert auto.policy.acceptance[0].at([1, 2, 3])[3] == pytest.approx(
-        auto.policy.acceptance[0].at([1, 2])[2])
-
-
-def test_auto_reads_every_shorter_greedy_chain_from_the_chain_drafted():
-    """A greedy request's chain of n head nodes says what every chain of m < n nodes would have
-    got on the same step (its prefix: min(accepted, m)); those budgets' own factors learn it,
-    the overall factor does not (it counts each step once). Not for sampled requests (a draw
-    accepts by chance) nor for trees (not prefixes of one another): a sampled request's chain
-    is read per depth instead (heads.cost.ChainRates)."""
-    from types import SimpleNamespace
-
-    from treedraft.heads.tree import parse_tree_spec
-    from treedraft.plugin.proposer import AutoBudget
-
-    auto = AutoBudget(parse_tree_spec("dynamic:10,3,3"))
-    auto.set_rates(None)
-    table, greedy, sampled = auto.policy.table, *auto.policy.acceptance
-    step = SimpleNamespace(num_scheduled_tokens={"g": 4, "s": 4},
-                           scheduled_spec_decode_tokens={"g": [1, 2, 3], "s": [1, 2, 3]})
-    got = [0, 1, 3, 2, 3, 1]  # accepted drafts of g's 3-node chain, step by step
-    drew = [1, 0, 2, 0, 3, 1]  # and of s's sampled one
-    for k, j in zip(got, drew, strict=True):
-        auto.choose(2, sampled=1)
-        auto.step_started()
-        auto.step_done(step, {"g": 3, "s": 3}, sampling={"s"})
-        auto.observe({"g": 1 + k, "s": 1 + j})
-    for m in (1, 2):  # undecayed sums would be exact: compare the ratio observed / expected
-        o, e = greedy._budgets[m]
-        want = sum(min(k, m) for k in got) / (len(got) * (table[m] - 1.0))
-        assert o / e == pytest.approx(want, rel=0.05), (m, o, e)
-    assert 1 in greedy._budgets and 1 not in sampled._budgets and 2 not in sampled._budgets
-    # the sampled request's chains, per depth (heads.cost.ChainRates): depth d reached by the
-    # chains with d - 1 accepted, accepted by those with d
-    chains = auto.policy.chains
-    for d in (1, 2, 3):
-        trials = hits = 0.0
-        for j in drew:  # each count decays when its depth is reached again
-            if j >= d - 1:
-                trials, hits = chains.decay * trials + 1.0, chains.decay * hits + (j >= d)
-        assert (chains._trials[d], chains._hits[d]) == pytest.approx((trials, hits)), d
-    # the overall factor counted the 3-node chain only, once a step (over its prior of 2)
-    d = greedy.decay
-    assert greedy.expected == pytest.approx(
-        2.0 * d ** len(got) + sum((table[3] - 1.0) * d ** i for i in range(len(got))))
-    tree = AutoBudget(parse_tree_spec("dynamic:10,3,3"))
-    tree.set_rates(None)
-    big = tree.chain_max + 2  # a tree of the head's: no counterfactual
-    tree.choose(1)
-    tree.step_started()
-    tree.step_done(SimpleNamespace(num_scheduled_tokens={"g": big + 1},
-                                   scheduled_spec_decode_tokens={"g": list(range(big))}),
-                   {"g": big})
-    tree.observe({"g": 3})
-    assert set(tree.policy.acceptance[0]._budgets) == {max(b for b in table if b <= big)}
-
-
-def test_auto_feeds_the_outcome_guard_the_steps_one_arm_drafted_and_verified():
-    """`AutoBudget.allows` asks the outcome guard (heads.cost.OutcomeGuard) whether the policy
-    drafts this step; `step_done` records a step's tokens (`observe`) and seconds under its arm
-    only where the step before drafted under the same arm and key (a switch's first step
-    verifies the other arm's drafts) and neither had prefill rows; a held step counts."""
-    from types import SimpleNamespace
-
-    from treedraft.heads.tree import parse_tree_spec
-    from treedraft.plugin.proposer import AutoBudget
-
-    auto = AutoBudget(parse_tree_spec("dynamic:10,3,3"))
-    auto.set_rates(None)
-    got = []
-    auto.policy.guard.record = lambda key, tokens, seconds, arm: got.append((key, tokens, arm))
-    dec = SimpleNamespace(num_scheduled_tokens={"a": 1, "b": 1}, scheduled_spec_decode_tokens={})
-    pre = SimpleNamespace(num_scheduled_tokens={"a": 1, "b": 30}, scheduled_spec_decode_tokens={})
-
-    def step(so, tokens, ask=True):
-        auto.step_started()
-        auto.observe({"a": tokens, "b": 1})
-        if ask:
-            auto.allows(2)
-        auto.step_done(so, {})
-
-    step(dec, 1)  # nothing drafted before it: not recorded
-    step(dec, 3)
-    assert got == [((2, False), 4, True)]
-    step(pre, 1)  # a prefill step, and the step after one: not recorded
-    step(dec, 1)
-    step(dec, 2)
-    assert got[1:] == [((2, False), 3, True)]
-    step(dec, 1, ask=False)  # no drafting decision (nothing could draft): nor the next
-    step(dec, 1)
-    assert len(got) == 2
-    auto.policy.guard._get((2, False))["arm"] = False  # the guard holds this key plain
-    held = auto.held
-    step(dec, 5)  # verifies drafts of the other arm: not recorded
-    step(dec, 1)
-    assert got[2:] == [((2, False), 2, False)] and auto.held == held + 2
-    assert "held plain by the outcome guard" in auto.tally()
-    # held, the policy still explores on its schedule (`choose(..., held=True)`); such a step
-    # and the one that verifies it are no arm's
-    explored = [False]  # the step before the loop: held, no exploration
-    for _ in range(12):
-        auto.step_started()
-        auto.observe({"a": 1, "b": 1})
-        assert not auto.allows(2)
-        n, _ = auto.choose(2, held=True)
-        assert (auto._arm is None) == auto.exploring and (n == 0 or auto.exploring)
-        explored.append(auto.exploring)
-        auto.step_done(dec, {})
-    recorded = sum(not (x or y) for x, y in itertools.pairwise(explored))
-    assert sum(explored) >= 1 and len(got) == 3 + recorded, (explored, got)
-    # head steps are counted with how many of them grafted lookup beside the head
-    for grafted in ({"a": (2, 3)}, {}):
-        auto.step_started()
-        auto.step_done(dec, {"a": 1, "b": 1}, grafted=grafted)
-    assert "head 2 steps" in auto.tally() and "1 with lookup grafted" in auto.tally()
-
-
-def test_auto_measures_a_budgets_step_where_every_request_verified_it():
-    """`AutoBudget.step_done` hands the policy the cost of a step at budget n when each of its
-    decode requests verified n head nodes drafted last step: its own drafting swapped for last
-    step's, with the number of last step's lookup-only rows (the policy files such steps under
-    their own key; priced out at the fit's price of a row, they made the budget drafted beside
-    lookup look cheap); not after a prefill step (its drafting phase committed a
-    prompt), nor where budgets or requests differ."""
-    import time
-    from types import SimpleNamespace
-
-    from treedraft.heads.cost import StepCostModel
-    from treedraft.heads.tree import parse_tree_spec
-    from treedraft.plugin.proposer import AutoBudget
-
-    auto = AutoBudget(parse_tree_spec("dynamic:10,3,3+lookup:4"))
-    auto.set_rates(None)
-    got = []
-    auto.policy.measured_step = lambda b, n, s, lookup_rows=0: got.append((b, n, s, lookup_rows))
-    model = StepCostModel()  # a verified row costs 10 ms (lookup rows are not priced out)
-    for dec, ver in [(1, 0), (8, 0), (4, 3), (32, 30), (2, 1), (16, 16), (9, 8), (40, 3),
-                     (12, 0), (64, 48), (24, 0), (3, 2), (5, 5)]:
-        model.add(0.005 + 0.001 * dec + 0.010 * ver, dec, 0, ver, 0)
-    auto.policy.model = model
-    auto.policy.step_done = lambda *a, **k: None  # the fit stays as fed (this tests the caller)
-    c = model.coefficients[3]
-    assert c == pytest.approx(0.010, rel=0.05)
-
-    def step(scheduled, spec, drafted, drafting, grafted=None, pause=0.0):
-        auto.step_started()
-        time.sleep(pause)
-        t = time.perf_counter()
-        auto.step_done(SimpleNamespace(num_scheduled_tokens=scheduled,
-                                       scheduled_spec_decode_tokens=spec),
-                       drafted, drafting=drafting, grafted=grafted)
-        return time.perf_counter() - t
-
-    step({"a": 40}, {}, {"a": 2}, 0.030)  # a prefill chunk, then drafts 2 nodes
-    assert got == []
-    step({"a": 3}, {"a": [1, 2]}, {"a": 2}, 0.004)  # after a prefill: not measured
-    assert got == []
-    step({"a": 3}, {"a": [1, 2]}, {"a": 3}, 0.005, pause=0.02)  # verifies 2, drafts 3
-    assert [(b, n, k) for b, n, _, k in got] == [(1, 2, 0)]
-    # the step's seconds less its drafting (5 ms) plus last step's (4 ms)
-    assert 0.02 - 0.001 <= got[0][2] <= 0.02 + 0.001 + 0.01, got
-    step({"a": 4}, {"a": [1, 2, 3]}, {"a": 3}, 0.005, grafted={"a": (4, 2)})
-    step({"a": 6}, {"a": [1, 2, 3, 4, 5]}, {"a": 3}, 0.005)  # 3 head + 2 lookup rows
-    assert [(b, n, k) for b, n, _, k in got] == [(1, 2, 0), (1, 3, 0), (1, 3, 2)]
-    assert got[2][2] == pytest.approx(got[1][2], abs=0.004), got  # not priced out
-    step({"a": 3}, {"a": [1, 2]}, {"a": 3}, 0.005)  # vLLM cut the 3 drafts to 2: not measured
-    assert len(got) == 3
-    got.clear()
-    step({"a": 2, "b": 2}, {"a": [1], "b": [1]}, {"a": 1, "b": 2}, 0.005)  # a drafted 3
-    assert got == []  # (last step: only "a" drafted) not every request verified one budget
-    step({"a": 2, "b": 3}, {"a": [1], "b": [1, 2]}, {"a": 1}, 0.005)  # budgets 1 and 2 verified
-    assert got == []
-    step({"a": 2, "b": 2}, {"a": [1], "b": [1]}, {"a": 1, "b": 1}, 0.005)  # "b" drafted nothing
-    assert got == []
-    step({"a": 2, "b": 2}, {"a": [1], "b": [1]}, {}, 0.0)  # both verified one node
-    assert [(b, n, k) for b, n, _, k in got] == [(2, 1, 0)]
-
-
-def test_auto_drafts_chains_at_small_budgets_and_its_table_says_so():
-    """Under "auto" a budget up to `AutoBudget.CHAIN_MAX` head nodes drafts a chain (on a 2-core
-    CPU a branching tree's rows cost more than they earn there), larger ones the
-    head's tree; the expected lengths are a chain's where chains are drafted."""
-    from treedraft.heads.cost import expected_lengths
-    from treedraft.heads.tree import DEFAULT_ACCEPTANCE_RATES, parse_tree_spec
-    from treedraft.plugin.proposer import AutoBudget, TreeDraftProposer
-
-    spec = parse_tree_spec("dynamic:10,3,3+lookup:4")
-    prop = TreeDraftProposer.__new__(TreeDraftProposer)  # the spec logic alone, no engine
-    prop.spec, prop._smaller, prop.auto = spec, {}, AutoBudget(spec)
-    cap = AutoBudget.CHAIN_MAX
-    assert [prop.spec_for(n).to_string() for n in range(1, cap + 1)] == [
-        f"chain:{n}" for n in range(1, cap + 1)]
-    big = prop.spec_for(cap + 2)
-    assert big.kind == "dynamic" and big.head_nodes == cap + 2
-    assert prop.auto_spec(2, 4).lookup == 4 and not prop.auto_spec(2, 4).is_chain
-    # a spec with few head nodes: its whole budget is a chain too, as the table prices it
-    few = parse_tree_spec("dynamic:4,2,2")
-    small = TreeDraftProposer.__new__(TreeDraftProposer)
-    small.spec, small._smaller, small.auto = few, {}, AutoBudget(few)
-    assert small.spec_for(4).to_string() == "chain:4" and small.spec_for(9).to_string() == "chain:4"
-    prop.auto.set_rates(None)
-    chain = expected_lengths(DEFAULT_ACCEPTANCE_RATES, cap, chain=True)
-    tree = expected_lengths(DEFAULT_ACCEPTANCE_RATES, 10, chain=False)
-    table = prop.auto.policy.table
-    assert all(table[n] == pytest.approx(chain[n]) for n in table if 1 <= n <= cap)
-    assert table[10] == pytest.approx(tree[10]) and table[cap] < tree[cap]
-    # a head that drafts no deeper than 2 (Medusa with two heads) drafts chains up to 2
-    low = AutoBudget(spec, chain_max=2)
-    low.set_rates(None)
-    assert low.policy.table[3] == pytest.approx(tree[3])
-
-
-def test_auto_measures_plain_steps_and_what_lookup_grafts_add():
-    """A decode step that verified nothing measures a plain step at its batch; one that verified
-    only lookup-only grafts (no head node last step, every grafted node scheduled) measures what
-    a graft adds over a plain step there, per grafted request."""
+def test_auto_measures_steps_that_drafted_and_verified_one_arm_without_prefill():
+    """`AutoArms.step_done` hands the policy each step's tokens and seconds (the worker's step
+    plus the median gap between steps); a step counts for its arm only when the step before
+    ran it too, and neither prefilled; a step that planned no arm (nothing could draft) breaks
+    the run."""
     import time
     from types import SimpleNamespace
 
     from treedraft.heads.tree import parse_tree_spec
-    from treedraft.plugin.proposer import AutoBudget
+    from treedraft.plugin.proposer import AutoArms
 
-    auto = AutoBudget(parse_tree_spec("dynamic:10,3,3+lookup:4"))
-    auto.set_rates(None)
-    plain, grafts = [], []
-    auto.policy.measured_step = lambda b, n, s: plain.append((b, n, s))
-    auto.policy.measured_graft = lambda b, s, n: grafts.append((b, s / n))
-    auto.policy.plain_seconds = lambda b: 0.010 if b == 2 else None
-    auto.policy.step_done = lambda *a, **k: None
+    auto = AutoArms(parse_tree_spec("chain:3"), None)
+    b = auto.bandit
 
-    def step(scheduled, spec, grafted=None, pause=0.0):
+    def step(scheduled, spec, tokens, plan=True, pause=0.0):
         auto.step_started()
+        if plan:
+            auto.plan(len(scheduled))
         time.sleep(pause)
         auto.step_done(SimpleNamespace(num_scheduled_tokens=scheduled,
-                                       scheduled_spec_decode_tokens=spec),
-                       {}, drafting=0.0, grafted=grafted)
+                                       scheduled_spec_decode_tokens=spec), tokens)
 
-    step({"a": 1, "b": 1}, {})
-    assert [(b, n) for b, n, _ in plain] == [(2, 0)] and grafts == []
-    step({"a": 1, "b": 1}, {}, grafted={"a": (3, 2)})  # plain itself; grafts for the next
-    step({"a": 3, "b": 1}, {"a": [1, 2]}, pause=0.03)  # verifies the graft
-    assert len(plain) == 2 and len(grafts) == 1 and grafts[0][0] == 2
-    assert 0.03 - 0.010 - 0.002 <= grafts[0][1] <= 0.03 - 0.010 + 0.01, grafts
-    step({"a": 1, "b": 1}, {}, grafted={"a": (3, 2)})
-    step({"a": 2, "b": 1}, {"a": [1]})  # vLLM cut the graft's 2 nodes to 1: not measured
-    step({"a": 1, "b": 1, "c": 1}, {}, grafted={"a": (3, 2)})
-    step({"a": 3, "b": 1, "c": 1}, {"a": [1, 2]})  # batch 3: no plain step measured there
-    assert len(grafts) == 1
-
-
-def test_auto_reads_the_head_beside_a_grafted_lookup_from_the_accepted_path():
-    """A greedy request that grafted lookup beside a head chain: the accepted path's HEAD and
-    LOOKUP bits say how deep it followed each, and so what every head budget up to the one
-    drafted would have given there (`HeadBesideLookup`); not for sampled requests, nor for a
-    head tree (not a chain: its smaller budgets are not its prefixes)."""
-    from types import SimpleNamespace
-
-    import torch
-
-    from treedraft.heads.lookup import HEAD, LOOKUP
-    from treedraft.heads.tree import parse_tree_spec
-    from treedraft.plugin.proposer import AutoBudget
-
-    # root, a node both proposed, the head's 2nd node, then the lookup's 2nd and 3rd nodes
-    sources = torch.tensor([0, HEAD | LOOKUP, HEAD, LOOKUP, LOOKUP], dtype=torch.int8)
-    step = SimpleNamespace(num_scheduled_tokens={"g": 5, "s": 5},
-                           scheduled_spec_decode_tokens={"g": [1, 2, 3, 4], "s": [1, 2, 3, 4]})
-
-    def run(chain: bool) -> AutoBudget:
-        auto = AutoBudget(parse_tree_spec("dynamic:10,3,3+lookup:4"))
-        auto.set_rates(None)
-        for _ in range(5):
-            auto.choose(2, sampled=1)
-            auto.step_started()
-            auto.step_done(step, {"g": 2, "s": 2}, grafted={"g": (4, 2), "s": (4, 2)},
-                           sampling={"s"}, chain=chain)
-            auto.observe({"g": 4, "s": 4}, accepted={"g": [1, 3, 4], "s": [1, 3, 4]},
-                         sources={"g": sources, "s": sources})
-        return auto
-
-    beside = run(chain=True).policy.beside
-    # a_head = 1, a_lookup = 3: 1 + max(min(1, m), 3) = 4 tokens for m = 0, 1, 2 (one request)
-    assert beside.tokens(2) == pytest.approx({0: 4.0, 1: 4.0, 2: 4.0})
-    assert set(beside._sums) == {2}  # the greedy request's only; drafted 2 head nodes
-    assert run(chain=False).policy.beside._sums == {}
+    step({"a": 40}, {}, 1)  # a prefill chunk: not measured
+    step({"a": 1}, {}, 1, pause=0.01)  # after it (same arm): measured
+    arm = b.stats[(1, False)][0]
+    assert arm.steps == 1 and arm.tokens == 1 and arm.seconds >= 0.01
+    step({"a": 1, "b": 30}, {}, 1)  # b's prefill: batch 2, another context, not measured
+    step({"a": 1, "b": 1}, {}, 2)  # measured: the step before ran its arm
+    assert sum(a.steps for a in b.stats[(2, False)]) == 1
+    step({"a": 1, "b": 1}, {}, 2, plan=False)  # nothing drafted: no arm ran
+    step({"a": 1, "b": 1}, {}, 2)  # verifies no arm's drafts: not measured
+    assert sum(a.steps for a in b.stats[(2, False)]) == 1
+    step({"a": 1, "b": 1}, {}, 2)
+    assert sum(a.steps for a in b.stats[(2, False)]) == 2
+    assert "steps by arm: none" in auto.tally() and "batch <= 1 greedy none" in auto.tally()

@@ -1,0 +1,149 @@
+"""`"tree": "auto"`: which draft configuration a serving step runs, from measured tokens/s.
+
+Speculation pays only when the tokens a step gains outweigh what its drafting and extra rows
+cost, and both sides depend on the machine (a GPU verifies 64 rows for the price of one, a
+2-core CPU does not), the batch size, the temperature and the text. Nothing of that is
+modelled here; it is measured. The policy chooses among a few fixed draft configurations, the
+*arms* (`arms_for`): drafting nothing, chains of 1-4 head nodes (with the request's
+prompt-lookup proposal grafted, where the spec has lookup nodes, for greedy requests) and the
+head's trees up to the spec's size. Whatever an arm's verification costs (CPU tree attention,
+a GPU kernel), its realized tokens per second is what ranks it: nothing to retune per machine.
+
+`ArmBandit` keeps, per *context* (the batch of drafting requests rounded up to a power of two,
+and whether most of them sample), per arm, a decayed sum of tokens and seconds of the steps it
+ran. It plays an arm for a window of `window` steps; a step counts for its arm only when the
+step before it ran the same arm in the same context (so the drafts it verified were that arm's
+too) and it ran no prefill chunk (`observe`'s `usable`). At each window's end:
+
+1. the arms are ordered by size; the smallest not measured yet in this context is played while
+   the largest measured one ran at least `sweep` times the best rate (larger trees cost more
+   rows: where one size already loses, the next is measured only when exploration picks it);
+2. else every `explore_every`-th window plays the arm, other than the best, with the highest
+   optimistic rate `rate * (1 + bonus / sqrt(steps / window))` (the next unmeasured arm counts
+   as the one below it, never measured): a near-best arm soon, one at half the best's rate
+   rarely;
+3. else the arm with the best measured rate (tokens / seconds).
+
+All arms' sums in a context decay by `decay` at each of its windows, so what was measured long
+ago weighs less and a stale arm's optimism grows back: the text and the machine drift.
+Exploration costs at most one window in `explore_every`, spent on arms close to the best.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+NONE = "none"  # the arm that drafts nothing
+
+
+def arms_for(head_nodes: int, max_depth: int | None, lookup: int, sampled: bool,
+             tree_of: Callable[[int], str] | None = None) -> list[str]:
+    """The arms (tree spec strings, `NONE` for no drafts) of a sampling class: nothing; chains
+    of 1..4 head nodes (at most `max_depth` and `head_nodes`), with `lookup` nodes grafted for
+    greedy requests (a sampled request's chain is drawn from the head's q, which a graft would
+    turn into a tree); and where the head's spec branches (`tree_of(n)`: its n-node tree), its
+    trees of 8, 16, 32 and `head_nodes` nodes (each with the lookup nodes)."""
+    depth = min(4, head_nodes, max_depth or 4)
+    graft = f"+lookup:{lookup}" if lookup and not sampled else ""
+    arms = [NONE] + [f"chain:{k}{graft}" for k in range(1, depth + 1)]
+    if tree_of is not None:
+        tail = f"+lookup:{lookup}" if lookup else ""
+        arms += [tree_of(n) + tail for n in sorted({8, 16, 32, head_nodes})
+                 if depth < n <= head_nodes]
+    return arms
+
+
+def context(batch: int, sampled: int) -> tuple[int, bool]:
+    """(batch rounded up to a power of two, most requests sample)."""
+    return 1 << max(batch - 1, 0).bit_length(), 2 * sampled > batch
+
+
+@dataclass
+class Arm:
+    tokens: float = 0.0
+    seconds: float = 0.0
+    steps: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class ArmBandit:
+    """Plan each step's arm (`plan`), learn from its outcome (`observe`). See the module doc."""
+
+    def __init__(self, arms: dict[bool, Sequence[str]], window: int = 8,
+                 explore_every: int = 5, bonus: float = 0.5, decay: float = 0.95,
+                 sweep: float = 0.85) -> None:
+        self.arms = {sampled: list(a) for sampled, a in arms.items()}  # per sampling class
+        self.window, self.explore_every = window, explore_every
+        self.bonus, self.decay, self.sweep = bonus, decay, sweep
+        self.stats: dict[tuple[int, bool], list[Arm]] = {}
+        self.windows: dict[tuple[int, bool], int] = {}  # windows started per context
+        self.ctx: tuple[int, bool] | None = None  # the context and arm of the current window
+        self.arm = 0
+        self.left = 0  # steps left in the current window
+        self.last: tuple | None = None  # (context, arm) of the step before (None: unusable)
+
+    def plan(self, batch: int, sampled: int = 0) -> str:
+        """The arm (a tree spec string or `NONE`) for a step of `batch` drafting requests,
+        `sampled` of them sampling (T > 0)."""
+        ctx = context(batch, sampled)
+        if ctx != self.ctx or self.left <= 0:
+            self.ctx, self.left = ctx, self.window
+            self.arm = self._choose(ctx)
+        self.left -= 1
+        return self.arms[ctx[1]][self.arm]
+
+    def observe(self, tokens: int, seconds: float, usable: bool = True) -> None:
+        """The outcome of the step `plan` planned last: the tokens the step gave (1 + accepted
+        drafts per request, which the previous step's drafts earned) and its seconds (the
+        verification of those drafts and this step's drafting). It counts for its arm when the
+        step before ran the same arm in the same context (the drafts it verified were that
+        arm's), unless not `usable` (a step that prefills is priced by the prompt)."""
+        now = (self.ctx, self.arm)
+        if usable and self.last == now and seconds > 0:
+            a = self.stats[self.ctx][self.arm]
+            a.tokens += tokens
+            a.seconds += seconds
+            a.steps += 1
+        self.last = now
+
+    def idle(self) -> None:
+        """A step that ran no arm (nothing could draft): the next step verifies no arm's drafts."""
+        self.last = None
+
+    def rates(self, ctx: tuple[int, bool]) -> dict[str, float]:
+        """Measured tokens/s per arm of a context (arms not measured yet left out)."""
+        return {name: a.rate for name, a in zip(self.arms[ctx[1]], self.stats.get(ctx, ()),
+                                                 strict=False) if a.steps}
+
+    def best(self, ctx: tuple[int, bool]) -> str | None:
+        r = self.rates(ctx)
+        return max(r, key=r.get) if r else None
+
+    def _choose(self, ctx: tuple[int, bool]) -> int:
+        arms = self.stats.setdefault(ctx, [Arm() for _ in self.arms[ctx[1]]])
+        n = self.windows[ctx] = self.windows.get(ctx, 0) + 1
+        for a in arms:  # what was measured long ago weighs less
+            a.tokens *= self.decay
+            a.seconds *= self.decay
+            a.steps *= self.decay
+        seen = [i for i, a in enumerate(arms) if a.steps > 0]
+        best = max(seen, key=lambda i: arms[i].rate, default=0)
+        frontier = len(seen)  # arms are ordered by size: the next one not measured yet
+        if frontier < len(arms) and (frontier == 0 or arms[frontier - 1].rate
+                                     >= self.sweep * arms[best].rate):
+            return frontier  # sweep up while the largest arm measured is near the best
+        if n % self.explore_every or len(arms) == 1:
+            return best
+
+        def optimistic(i: int) -> float:  # the frontier: as good as the arm below it, at best
+            a = arms[i] if i < frontier else arms[frontier - 1]
+            steps = a.steps if i < frontier else 0.0
+            return a.rate * (1 + self.bonus / math.sqrt(max(steps, 1.0) / self.window))
+
+        return max((i for i in range(min(frontier + 1, len(arms))) if i != best),
+                   key=optimistic)

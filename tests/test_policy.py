@@ -1,0 +1,110 @@
+"""heads/policy.py: the `"tree": "auto"` policy (pure; the engine tests run it inside vLLM)."""
+
+import random
+
+from treedraft.heads.policy import NONE, ArmBandit, arms_for, context
+
+
+def dynamic(n: int) -> str:
+    return f"dynamic:{n},{min(6, n)},{min(8, n)}"
+
+
+def test_arms_greedy_graft_lookup_sampled_draw_chains():
+    greedy = arms_for(60, None, 4, sampled=False, tree_of=dynamic)
+    assert greedy == [NONE, "chain:1+lookup:4", "chain:2+lookup:4", "chain:3+lookup:4",
+                      "chain:4+lookup:4", "dynamic:8,6,8+lookup:4", "dynamic:16,6,8+lookup:4",
+                      "dynamic:32,6,8+lookup:4", "dynamic:60,6,8+lookup:4"]
+    sampled = arms_for(60, None, 4, sampled=True, tree_of=dynamic)
+    assert sampled[:5] == [NONE, "chain:1", "chain:2", "chain:3", "chain:4"]  # q chains
+    assert sampled[5:] == greedy[5:]
+
+
+def test_arms_respect_the_heads_depth_and_size():
+    # a 2-head Medusa: chains at most 2 deep; a chain spec: no trees; 16 nodes: no 32
+    assert arms_for(32, 2, 0, False, lambda n: f"static:{n}") == [
+        NONE, "chain:1", "chain:2", "static:8", "static:16", "static:32"]
+    assert arms_for(5, None, 0, False, None) == [NONE, "chain:1", "chain:2", "chain:3",
+                                                   "chain:4"]
+    assert arms_for(16, None, 0, False, dynamic)[-1] == "dynamic:16,6,8"
+    assert arms_for(3, None, 0, False, None) == [NONE, "chain:1", "chain:2", "chain:3"]
+
+
+def test_context_buckets_batch_and_sampling_majority():
+    assert [context(b, 0)[0] for b in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [1, 2, 4, 4, 8, 8, 16,
+                                                                        16, 32]
+    assert context(4, 3) == (4, True) and context(4, 2) == (4, False)
+
+
+def run(bandit, rate, steps, batch=1, noise=0.3, seed=0):
+    """Play `steps` steps; `rate(arm, t)` is the arm's true tokens/s; returns steps per arm."""
+    rng = random.Random(seed)
+    played = {}
+    for t in range(steps):
+        arm = bandit.plan(batch)
+        played[arm] = played.get(arm, 0) + 1
+        seconds = 0.05
+        bandit.observe(rate(arm, t) * seconds * rng.uniform(1 - noise, 1 + noise), seconds)
+    return played
+
+
+def test_the_best_arm_runs_most_steps_and_exploration_stays_near_it():
+    arms = [NONE, "chain:1", "chain:2", "chain:3", "chain:4"]
+    true = dict(zip(arms, (20.0, 26.0, 30.0, 33.0, 28.0), strict=True))
+    b = ArmBandit({False: arms, True: [NONE]})
+    played = run(b, lambda a, t: true[a], 4000)
+    assert max(played, key=played.get) == "chain:3"
+    assert played["chain:3"] > 0.75 * 4000
+    assert played[NONE] < 0.04 * 4000  # the worst arm: rarely explored once measured
+    assert b.best(context(1, 0)) == "chain:3"
+    realized = sum(true[a] * n for a, n in played.items()) / 4000
+    assert realized > 0.95 * true["chain:3"]  # exploration costs under 5 %
+
+
+def test_a_step_counts_only_when_the_step_before_ran_the_same_arm():
+    """The first step of a window verifies the previous arm's drafts: it is not measured; nor
+    is a step the caller marks unusable (a prefill), nor one after a step that ran no arm."""
+    b = ArmBandit({False: ["a", "b"], True: ["a"]}, window=5)
+    for _ in range(4):
+        assert b.plan(1) == "a"
+        b.observe(10, 1.0)
+    assert b.stats[(1, False)][0].steps == 3  # 4 steps of "a", the first not measured
+    b.plan(1)
+    b.idle()  # a step that planned "a" but drafted nothing (e.g. no request could draft)
+    assert b.plan(1) == "b"  # a new window: unseen arms first
+    b.observe(100, 1.0)  # verifies a's drafts: not b's
+    b.plan(1)
+    b.observe(100, 1.0, usable=False)  # a prefill step
+    b.plan(1)
+    b.observe(7, 1.0)  # after the prefill step, which ran b too: measured
+    assert b.rates((1, False))["b"] == 7.0
+    b.plan(1)
+    b.idle()
+    b.plan(1)
+    b.observe(50, 1.0)  # after a step that ran no arm: not measured
+    assert b.rates((1, False))["b"] == 7.0
+
+
+def test_contexts_learn_apart():
+    """Batch 1 and batch 8 (and greedy vs sampled) keep their own measurements: where a chain
+    pays at batch 1 and drafting nothing pays at batch 8, each runs its own best."""
+    arms = [NONE, "chain:3"]
+    b = ArmBandit({False: arms, True: arms})
+    run(b, lambda a, t: 30.0 if a == "chain:3" else 20.0, 1000, batch=1)
+    played = run(b, lambda a, t: 90.0 if a == "chain:3" else 150.0, 1000, batch=8)
+    assert b.best((1, False)) == "chain:3" and b.best((8, False)) == NONE
+    assert played[NONE] > 0.75 * 1000
+
+
+def test_a_drifting_machine_or_text_moves_the_choice():
+    """What was measured long ago decays: when the best arm changes, the policy follows."""
+    arms = [NONE, "chain:1", "chain:3"]
+    b = ArmBandit({False: arms, True: [NONE]})
+
+    def rate(a, t):  # chain:3 best for 2000 steps, then chain:1
+        return {NONE: 20.0, "chain:1": 25.0 if t < 2000 else 40.0,
+                "chain:3": 35.0 if t < 2000 else 22.0}[a]
+
+    played = run(b, rate, 2000)
+    assert b.best((1, False)) == "chain:3" and played["chain:3"] > 1400
+    later = run(b, lambda a, t: rate(a, t + 2000), 2000, seed=1)
+    assert b.best((1, False)) == "chain:1" and later["chain:1"] > 1200
