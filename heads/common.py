@@ -123,21 +123,18 @@ def batched(objects: Sequence, name: str) -> Callable | None:
     return many if many is not None and all(type(o) is cls for o in objects) else None
 
 
-def commit_sessions(items: Sequence, check: Sequence[int] | None = None
-                    ) -> list[tuple[int, int]] | None:
+def commit_sessions(items: Sequence) -> None:
     """Commit (session, target_hidden, tokens) items, one per request: together where the
     sessions' class offers `commit_many` (EagleSession: one packed head forward), else one by
-    one. `check`: per item, how many of its last pairs to test the head on, teacher-forced
-    (`EagleSession.commit_many`); returns (hits, checked) per item, or None where the class
-    cannot (or nothing was asked)."""
+    one."""
     if not items:
-        return None
+        return
     many = batched([s for s, *_ in items], "commit_many")
     if many is not None:
-        return many(items, check) if check and any(check) else many(items)
+        many(items)
+        return
     for session, target_hidden, tokens in items:
         session.commit(target_hidden, tokens)
-    return None
 
 
 def register_head(name: str) -> Callable[[type[DraftHead]], type[DraftHead]]:

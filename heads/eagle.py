@@ -623,16 +623,9 @@ class EagleSession:
     # ---------------------------------------------------------------- many sessions, one forward
     @staticmethod
     @torch.no_grad()
-    def commit_many(items, check: Sequence[int] | None = None
-                    ) -> list[tuple[int, int]] | None:
+    def commit_many(items) -> None:
         """`commit` for several sessions of one head: items (session, target_hidden [T, n*H],
-        tokens [T]); all pairs in one packed forward.
-
-        check[j] > 0: also test the head, teacher-forced, on up to that many of item j's last
-        pairs: the feature after pair i is what a step at that position would have drafted its
-        first node from, and pair i+1's token is what the target produced there. Returns
-        (hits, checked) per item (depth-1 argmax drafts the target would have accepted at T=0,
-        one draft-LM-head row per check), or None when nothing was asked."""
+        tokens [T]); all pairs in one packed forward."""
         head = items[0][0].head
         p = next(head.parameters())
         hidden, ids, pos, segs, lo = [], [], [], [], 0
@@ -660,21 +653,6 @@ class EagleSession:
             s.last_token = int(tokens[-1])
             s.root_feature = out[0, seg.hi - 1]
             s._reset_tree()
-        if not check or not any(check):
-            return None
-        rows, targets, counts = [], [], []
-        for (_, _, tokens), seg, k in zip(items, segs, check, strict=True):
-            first = max(0, seg.hi - seg.lo - 1 - k)  # pairs first..T-2 predict pairs first+1..
-            rows.extend(range(seg.lo + first, seg.hi - 1))
-            targets.append(tokens[first + 1 :].cpu())
-            counts.append(max(seg.hi - seg.lo - 1 - first, 0))
-        if not rows:
-            return [(0, 0)] * len(items)
-        pred = head.draft_logits(out[0, rows]).argmax(-1)
-        if getattr(head, "d2t", None) is not None:
-            pred = head.d2t[pred]
-        hits = (pred.cpu() == torch.cat(targets)).split(counts)
-        return [(int(h.sum()), n) for h, n in zip(hits, counts, strict=True)]
 
     @staticmethod
     @torch.no_grad()

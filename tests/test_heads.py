@@ -382,39 +382,6 @@ def test_sessions_draft_together_as_one_by_one(layout):
                                   (make_eagle(layout=layout).draft_session(), h[:1], tok[:1])])
 
 
-@pytest.mark.parametrize("layout", ["eagle1", "eagle3"])
-def test_commit_checks_the_head_teacher_forced(layout):
-    """`commit_many(..., check)` (auto's acceptance signal): hit i is whether the argmax draft
-    a session would have made after pair i equals pair i+1's token, the same as committing pair
-    by pair and drafting one node each time; only each item's last `check` pairs count."""
-    from treedraft.heads.common import commit_sessions
-    from treedraft.heads.eagle import EagleSession
-
-    head = make_eagle(layout=layout)
-    g = torch.Generator().manual_seed(3)
-    h, tok = torch.randn(30, H, generator=g), torch.randint(0, V, (30,), generator=g)
-    # make the head right at some positions: its argmax becomes the next token there
-    tok2 = tok.clone()
-    probe = head.draft_session()
-    for i in range(20):
-        probe.commit(h[i : i + 1], tok2[i : i + 1])
-        if i % 3 == 0:
-            tok2[i + 1] = head.logits(probe.root_feature).argmax()
-    probe = head.draft_session()
-    expect = []
-    for i in range(20):
-        probe.commit(h[i : i + 1], tok2[i : i + 1])
-        expect.append(int(head.logits(probe.root_feature).argmax()) == int(tok2[i + 1]))
-    assert 3 <= sum(expect) < 20
-    a, b = head.draft_session(), head.draft_session()
-    b.commit(h[:5], tok2[:5])
-    found = EagleSession.commit_many([(a, h[:21], tok2[:21]), (b, h[5:12], tok2[5:12])],
-                                     [64, 4])
-    assert found == [(sum(expect[:20]), 20), (sum(expect[7:11]), 4)]
-    assert commit_sessions([(head.draft_session(), h[:3], tok2[:3])]) is None  # not asked
-    assert commit_sessions([(head.draft_session(), h[:1], tok2[:1])], [8]) == [(0, 0)]
-
-
 def test_medusa_shapes_and_depth_limit():
     heads = make_medusa()
     hidden = torch.randn(2, 5, H)
