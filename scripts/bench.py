@@ -1,40 +1,44 @@
 """`treedraft bench`: vLLM without speculation, vLLM ngram, our head as a chain (vLLM's own
 rejection sampler) and treedraft trees, side by side in one invocation.
 
-    treedraft bench                  # quick (~10 min on a 2-core AVX2 CPU): 4 MT-bench questions
+    treedraft bench                  # the main job (~20 min on 2 cores): 8 MT-bench questions
     treedraft bench --full           # full MT-bench: 80 first turns x 256 tokens, bs 1..32 (hours)
     treedraft bench --limit 2 --max-new-tokens 32 --batch-sizes 1 --temperatures 0   # a look
     treedraft bench --stride 10 --limit 8 --batch-sizes 1 --config no-spec --config chain=1
     treedraft bench --target HF_FOLDER --head HEAD_DIR --config 'tree=dynamic:16,4,4'
     treedraft bench --profile ...    # + where each engine step's time goes (OUT/profile.md)
-    treedraft bench --continuous ... # a queue instead of waves (continuous batching)
+    treedraft bench --waves ...      # waves of batch-size requests instead of a queue
     treedraft bench --prompts mtbench,humaneval --by-category ...   # τ per MT-bench category
 
 Each configuration runs in its own engine process (scripts/engine.py) over MT-bench first turns,
-for every batch size (requests submitted in waves of that many; with one prompt group, prompts
-are cycled to fill a wave, with several each prompt runs once and a group smaller than the
-batch runs as one smaller wave: the batch column then says `8 (≤3)`)
-and temperature; a progress bar per configuration shows which one runs, tokens so far and an
+for every batch size and temperature: by default a queue (below) at least 4 batches deep (with
+one prompt group, prompts are cycled to fill it), after an untimed warm-up of each job's shape
+at 32 tokens per request (`warmup_jobs`: the engine's code paths and row counts warm, `auto`'s
+measurements begun, as in a server that has been running; `--no-warmup` times from the first
+request). A progress bar per configuration shows which one runs, tokens so far and an
 estimate of what is left of the whole run. Writes OUT/bench.json (tokens/s, TPOT, mean
 acceptance length, per-depth acceptance, speedup vs no-spec per row, the machine), OUT/bench.md
 (the table and `speedup_chart`, the speedups as text bars) and two PNG plots (speedup vs batch
 size; acceptance per depth); prints the table
-and the best speedup last. TPOT here is wave wall time / the wave's longest output, i.e. the
-time per output token a stream of that wave saw. Rows also hold `tau_per_pass` (tokens per
+and the best speedup, then one sentence per (T, batch) saying what holds on this machine
+(`conclusions`). Rows also hold `tau_per_pass` (tokens per
 target pass, `target_passes`), which unlike vLLM's mean acceptance length counts the passes where
 prompt lookup drafted nothing. Several prompt sets (`mtbench,humaneval`) give one row per set;
 `by_category` one per MT-bench category plus each set's total (`totals`) and a table of
 tokens per pass by category in OUT/bench.md.
 
-`--continuous`: instead of waves, every prompt of a job is queued and at most `batch size` of
-them run at once, the next starting as soon as one finishes (what a server with a queue does:
+The queue (`--continuous`, the default): every prompt of a job is queued and at most `batch
+size` of them run at once, the next starting as soon as one finishes (what a server with a queue does:
 vLLM's continuous batching). Waves end with their slowest request, so a configuration that
 finishes some requests early (lookup on a repetitive reply) gains nothing there until the
 wave ends, while a queue refills the batch at once; `auto` maximises tokens per second of the
-running batch, what a queue measures. TPOT is then each request's seconds from submission to
-its last token over its tokens, averaged.
+running batch, what a queue measures. TPOT is each request's seconds from submission to its last
+token over its tokens, averaged. `--waves`: requests in waves of the batch size instead (with
+several prompt groups each prompt runs once and a group smaller than the batch runs as one
+smaller wave: the batch column then says `8 (≤3)`); TPOT is then wave wall time / the wave's
+longest output.
 
-`--rounds N`: the configurations run N times, in alternating order (A B C, C B A, A B C, ...),
+`--rounds N` (default 2): the configurations run N times, in alternating order (A B C, C B A, A B C, ...),
 so that a machine whose speed drifts over minutes (a shared CPU: two no-spec engines run
 back to back differed by 7 %) slows every configuration alike; each row then holds the median
 tokens/s over the rounds and the median of the per-round speedups (each against the baseline
@@ -60,11 +64,10 @@ from pathlib import Path
 # Presets: the quick default (the README's main job) and the full MT-bench run. Every explicit
 # argument of `bench` / `treedraft bench` overrides its preset value.
 PRESETS = {
-    "quick": {"limit": 4, "stride": 20, "max_new_tokens": 64, "batch_sizes": (1, 8),
+    "quick": {"limit": 8, "stride": 10, "max_new_tokens": 96, "batch_sizes": (1, 8),
               "temperatures": (0.0, 1.0), "enforce_eager": True,
               "rounds": 2, "continuous": True, "warmup": True,
-              "configs": ("no-spec", "ngram=3", "chain=2", "tree=lookup:4",
-                          "tree=chain:2+lookup:4", "auto")},
+              "configs": ("no-spec", "chain=3", "tree=chain:2+lookup:4", "auto")},
     "full": {"limit": 80, "stride": 1, "max_new_tokens": 256, "batch_sizes": (1, 4, 16, 32),
              "temperatures": (0.0, 1.0), "enforce_eager": False,
              "rounds": 1, "continuous": True, "warmup": True,
