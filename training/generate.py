@@ -14,10 +14,10 @@ Features
   what is missing. Token ids only: small, not a hidden-state dump.
 - Sharded under torchrun (`Shard`): rank r answers the prompts i with i % world == r (the
   transformers engine, on the rank's device; a vLLM engine places itself over
-  gen_tensor_parallel_size GPUs, so rank 0's answers all) into a file of its own (gen-<hash>.rank<r>.jsonl); after a barrier rank 0 appends the shards to the
-  shared cache and removes them, and after a second every rank reads the full cache. A cache
-  read also reads shards a killed run left, so the cache of a torchrun run and of a single
-  process are one.
+  gen_tensor_parallel_size GPUs, so rank 0's answers all) into a file of its own,
+  gen-<hash>.rank<r>.jsonl; after a barrier rank 0 appends the shards to the shared cache and
+  removes them, and after a second every rank reads the full cache. A cache read also reads
+  the shards a killed run left: a torchrun run and a single process share one cache.
 - `regenerate=False`: the dataset's own first assistant reply is used instead.
 - Output: `Seq(id, input_ids, prompt_len)`; the loss covers positions >= prompt_len (the reply).
 """
@@ -259,10 +259,13 @@ def regenerate(loaded, prompts: list[tuple[str, list[int]]], cfg: TrainConfig,
     With `gen_temperatures` prompt i is answered at temperatures[i % n], and batches of the
     temperatures take turns. With `gen_time_limit_minutes` no new batch starts after that
     long: the prompts not answered by then get no reply (ids in `first` are answered first, in
-    every temperature). generate_missing=False reads the caches only (a DDP rank > 0 after rank
-    0 generated; the resume of a run whose generation was cut, which must see the same data).
+    every temperature). generate_missing=False reads the caches only (gen_cache_only; the
+    resume of a run whose generation was cut, which must see the same data).
     Under torchrun (`shard`) this rank answers the prompts i with i % world == rank, then
     every rank reads all ranks' replies (`gather_shards`)."""
+    if shard.world > 1 and generate_missing and any(c[1] is None for c in caches):
+        raise ValueError("reply generation under torchrun shares the replies through the reply "
+                         "cache: give a data_dir")
     done: dict[str, list[int]] = {}
     groups = []  # (temperature, cache path, meta, prompts to generate)
     for j, (t, path, meta, cached) in enumerate(caches):
@@ -293,9 +296,6 @@ def gather_shards(prompts: list[tuple[str, list[int]]], caches: list, shard: Sha
                   ) -> dict[str, list[int]]:
     """Every rank's replies, once each rank has written its share: rank 0 merges the shards
     into the caches between two barriers, then each rank reads the caches."""
-    if any(path is None for _, path, _, _ in caches):
-        raise ValueError("reply generation under torchrun shares the replies through the reply "
-                         "cache: give a data_dir")
     shard.barrier()  # every rank's shard is complete
     if shard.rank == 0:
         for _, path, meta, _ in caches:
