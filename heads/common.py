@@ -6,7 +6,7 @@ Features
 - `ConfigMixin`: `to_dict()/from_dict()` for dataclass configs; unknown keys are rejected with the
   list of valid keys; a nested `target` dict becomes a `TargetSignature`.
 - `HEADS` registry filled by `@register_head("name")`; `load_head(path)` dispatches on the
-  `head_type` stored in config.json.
+  `head_type` stored in config.json (`path`: a folder, or a hub id `org/name` fetched first).
 - `DraftHead`: base `nn.Module` with `bind_target` (frozen references to the target's input
   embeddings and LM head, never saved) and `save_pretrained/from_pretrained`
   (config.json + model.safetensors [+ provenance.json], written atomically file by file).
@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,15 +168,27 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
     return json.loads(cfg_path.read_text())
 
 
+# a Hugging Face hub id: `org/name`, each part of word characters, '.' or '-'
+HUB_ID = re.compile(r"[\w-][\w.-]*/[\w.-]+")
+
+
+def is_hub_id(source: str | os.PathLike) -> bool:
+    """Whether `source` names a hub repository (`org/name`) rather than a local path: it does
+    not exist here and reads as an id (an absolute or ./ path never does)."""
+    return not Path(source).expanduser().exists() and HUB_ID.fullmatch(str(source)) is not None
+
+
 def load_head(path: str | os.PathLike, target: TargetSignature | None = None,
               map_location: str | torch.device = "cpu") -> DraftHead:
     """Load any registered head from `path`, dispatching on config.json's `head_type`; a
-    speculators-format EAGLE-3 folder (vLLM/SGLang's) loads as an eagle3-layout EagleHead."""
+    speculators-format or flat EAGLE-3 folder (vLLM/SGLang's, SpecForge's) loads as an
+    eagle3-layout EagleHead. `path` may be a hub id (`org/name`), fetched into the hub cache."""
     from . import eagle, medusa  # noqa: F401  (registers the built-in heads)
+    from .speculators import is_speculators, load_speculators, resolve
 
-    path = Path(path)
-    from .speculators import is_speculators, load_speculators
-
+    # a hub id is downloaded (config and weights); a missing local folder stays read_config's
+    # FileNotFoundError
+    path = resolve(path) if is_hub_id(path) else Path(path)
     raw = read_config(path)
     if is_speculators(raw):  # an EAGLE-3 head in the speculators format
         head = load_speculators(path, target).to(map_location)

@@ -12,6 +12,9 @@
   window and more than one draft layer included; a source that is neither a folder nor a
   downloadable hub id is refused; export refuses the eagle1 layout and the post-norm output
   layer;
+* `load_head` takes a hub id (`org/name`): resolved through the hub cache (offline, prepared
+  here), it loads the same head as the folder; a missing id is refused by resolve(), a missing
+  local folder stays a FileNotFoundError;
 * Medusa heads in vLLM's own Medusa format (heads/medusa.py save_vllm_medusa): the exported
   tensors computed the way vLLM 0.32's `medusa.py` computes them give our heads' logits, with the
   target's LM head shared or each head's own.
@@ -22,6 +25,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -31,6 +35,7 @@ from safetensors.torch import load_file, save_file
 from test_heads import H, Tree, V, make_eagle, make_medusa, sig, target_weights
 
 from treedraft.heads import load_head
+from treedraft.heads.common import is_hub_id
 from treedraft.heads.eagle import LLAMA3_ROPE_KEYS, rope_inv_freq
 from treedraft.heads.speculators import draft_layer, load_speculators, save_speculators
 
@@ -427,23 +432,27 @@ def _shrink(cfg: dict) -> dict:
     return tiny
 
 
-def _flat_weights(seed: int = 0, n_aux: int = 3, vd: int = 20) -> dict[str, torch.Tensor]:
-    """Random weights named as the flat layout stores them (EAGLE authors', SpecForge's)."""
+def flat_weights(seed: int = 0, n_aux: int = 3, vd: int = 20, *, h: int = H, v: int = V,
+                 q: int = 32, kv: int = 16, inter: int = 64) -> dict[str, torch.Tensor]:
+    """Random weights named as the flat layout stores them (EAGLE authors', SpecForge's):
+    hidden h, vocabulary v (vd of it drafted), q / kv rows of the attention projections
+    (heads x head_dim), MLP width inter; test_heads' dims by default."""
     g = torch.Generator().manual_seed(seed)
-    shapes = {"fc.weight": (H, n_aux * H), "norm.weight": (H,), "lm_head.weight": (vd, H),
-              "midlayer.input_layernorm.weight": (H,), "midlayer.hidden_norm.weight": (H,),
-              "midlayer.self_attn.q_proj.weight": (32, 2 * H),
-              "midlayer.self_attn.k_proj.weight": (16, 2 * H),
-              "midlayer.self_attn.v_proj.weight": (16, 2 * H),
-              "midlayer.self_attn.o_proj.weight": (H, 32),
-              "midlayer.post_attention_layernorm.weight": (H,),
-              "midlayer.mlp.gate_proj.weight": (64, H), "midlayer.mlp.up_proj.weight": (64, H),
-              "midlayer.mlp.down_proj.weight": (H, 64)}
+    shapes = {"fc.weight": (h, n_aux * h), "norm.weight": (h,), "lm_head.weight": (vd, h),
+              "midlayer.input_layernorm.weight": (h,), "midlayer.hidden_norm.weight": (h,),
+              "midlayer.self_attn.q_proj.weight": (q, 2 * h),
+              "midlayer.self_attn.k_proj.weight": (kv, 2 * h),
+              "midlayer.self_attn.v_proj.weight": (kv, 2 * h),
+              "midlayer.self_attn.o_proj.weight": (h, q),
+              "midlayer.post_attention_layernorm.weight": (h,),
+              "midlayer.mlp.gate_proj.weight": (inter, h),
+              "midlayer.mlp.up_proj.weight": (inter, h),
+              "midlayer.mlp.down_proj.weight": (h, inter)}
     w = {k: (1 + 0.1 * torch.randn(s, generator=g)) if len(s) == 1
          else torch.randn(s, generator=g) * s[-1] ** -0.5 for k, s in shapes.items()}
-    ids = torch.randperm(V, generator=g)[:vd].sort().values
+    ids = torch.randperm(v, generator=g)[:vd].sort().values
     w["d2t"] = ids - torch.arange(vd)  # offsets, as EAGLE-3 stores them
-    w["t2d"] = torch.zeros(V, dtype=torch.bool).index_fill(0, ids, True)
+    w["t2d"] = torch.zeros(v, dtype=torch.bool).index_fill(0, ids, True)
     return w
 
 
@@ -451,7 +460,7 @@ def _flat_weights(seed: int = 0, n_aux: int = 3, vd: int = 20) -> dict[str, torc
 def test_published_config_imports_with_vllms_math(tmp_path, name):
     cfg = _shrink(_fixture(name))
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    w = _flat_weights()
+    w = flat_weights()
     save_file(w, str(tmp_path / "model.safetensors"))
     target = sig(num_hidden_layers=8)  # vLLM's default layers (2, 4, 5): none named here
     head = load_head(tmp_path, target=target)
@@ -480,7 +489,7 @@ def test_flat_layout_refusals_name_the_top_level_field(tmp_path, edit, msg):
     cfg = _shrink(_fixture("specforge-llama3-8b"))
     edit(cfg)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    save_file(_flat_weights(), str(tmp_path / "model.safetensors"))
+    save_file(flat_weights(), str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=msg):
         load_speculators(tmp_path, target=sig(num_hidden_layers=8))
 
@@ -505,3 +514,44 @@ def test_source_neither_folder_nor_hub_id_is_refused(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="is a file; give the EAGLE-3 folder"):
         load_speculators(tmp_path / "config.json", target=sig())
+
+
+def hub_cache(monkeypatch, root: Path, repo: str, folder: Path) -> None:
+    """`folder` as hub repository `repo` already downloaded into a Hugging Face hub cache at
+    `root` (huggingface_hub's layout: refs/main -> snapshots/<commit>), the hub offline: a hub
+    id resolves without a network."""
+    from huggingface_hub import constants
+
+    commit = "0" * 40
+    repo_dir = root / f"models--{repo.replace('/', '--')}"
+    shutil.copytree(folder, repo_dir / "snapshots" / commit)
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(root))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+
+def test_hub_id_loads_through_the_hub_cache_and_a_missing_one_is_refused(tmp_path, monkeypatch):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(_shrink(_fixture("specforge-llama3-70b"))))
+    save_file(flat_weights(), str(src / "model.safetensors"))
+    hub_cache(monkeypatch, tmp_path / "hub", "specforge/tiny-eagle3", src)
+    target = sig(num_hidden_layers=8)
+    head = load_head("specforge/tiny-eagle3", target=target)
+    direct = load_head(src, target=target)
+    assert head.config == direct.config and head.config.rope_scaling["rope_type"] == "llama3"
+    assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(),
+                                                 direct.state_dict().values(), strict=True))
+    with pytest.raises(ValueError, match="'specforge/no-such-head' is neither a local folder "
+                                         "nor a downloadable hub id.*give a folder"):
+        load_head("specforge/no-such-head", target=target)
+    # local paths stay local: a missing folder is read_config's error, an existing relative
+    # `a/b` folder is no hub id
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_head(tmp_path / "no" / "folder")
+    monkeypatch.chdir(tmp_path)
+    assert not is_hub_id("/org/name") and not is_hub_id("./org/name") and is_hub_id("org/name")
+    shutil.copytree(src, tmp_path / "org" / "name")
+    assert not is_hub_id("org/name")
+    assert load_head("org/name", target=target).config == direct.config
