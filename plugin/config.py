@@ -4,13 +4,15 @@ vLLM's `SpeculativeConfig` forbids unknown keys and never infers a method from a
 folder, so `EngineArgs.create_speculative_config` is wrapped (it runs in the frontend, after
 plugins load). When ``model`` is a treedraft head (a folder whose config.json has ``head_type``,
 or a shipped head's short name), an EAGLE-3 head in the speculators format (config.json with
-``speculators_model_type: "eagle3"``, unless ``method`` is ``"eagle3"``: then vLLM serves it as
-its own) or ``method`` is ``"treedraft"``:
+``speculators_model_type``) or the flat layout (``architectures: ["LlamaForCausalLMEagle3"]``,
+SpecForge's and the EAGLE authors'), unless ``method`` is ``"eagle3"`` (then vLLM serves it as
+its own), or ``method`` is ``"treedraft"``; any of these may be a Hugging Face hub id
+(``org/name``), downloaded into the hub cache at start-up:
 
 - the treedraft keys (``tree``) are popped and validated; bad specs fail here, at startup;
 - the head is loaded on CPU and checked against the target (architecture, hidden size, vocab,
   layers, tokenizer fingerprint); a mismatch names both sides;
-- a speculators folder is converted once into a treedraft folder (cache: $TREEDRAFT_CACHE or
+- an EAGLE-3 folder is converted once into a treedraft folder (cache: $TREEDRAFT_CACHE or
   ~/.cache/treedraft/imported/), which the workers load;
 - the dict becomes ``method="custom_class"``, ``model=PROPOSER``,
   ``num_speculative_tokens = the tree's node budget``;
@@ -53,23 +55,58 @@ def tree_mode(vllm_config) -> bool:
     return bool(td) and not parse_tree_spec(td["tree"]).is_chain
 
 
-def _head_dir(model: Any) -> Path | None:
-    """The head folder if `model` names a treedraft head, else None (leave the config to vLLM)."""
+def _head_dir(model: Any, method: Any = None) -> Path | None:
+    """The head folder if `model` names a treedraft head or an EAGLE-3 folder (speculators or
+    flat layout), else None (leave the config to vLLM). A hub id (`org/name`, with `method`
+    absent or "treedraft") is downloaded into the hub cache first; one that cannot be fails
+    here, at start-up, saying why."""
     if not isinstance(model, str) or not model:
         return None
+    from treedraft.heads.common import is_hub_id
     from treedraft.heads.shipped import SHIPPED_HEADS, resolve_head
 
     if model in SHIPPED_HEADS:
         return resolve_head(model)
-    cfg = Path(model).expanduser() / "config.json"
-    if cfg.is_file():
-        try:
-            raw = json.loads(cfg.read_text())
-        except (OSError, json.JSONDecodeError):
+    folder = Path(model).expanduser()
+    if method in (None, KEY) and is_hub_id(model):
+        folder = _hub_head(model, method)
+        if folder is None:
             return None
-        if "head_type" in raw or raw.get("speculators_model_type") == "eagle3":
-            return cfg.parent.resolve()
-    return None
+    raw = _read_json(folder / "config.json")
+    return folder.resolve() if raw is not None and _is_head(raw) else None
+
+
+def _is_head(raw: dict) -> bool:
+    from treedraft.heads.speculators import is_speculators
+
+    return "head_type" in raw or is_speculators(raw)
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        raw = json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, json.JSONDecodeError):
+        return None
+    return raw if isinstance(raw, dict) else None
+
+
+def _hub_head(model: str, method: Any) -> Path | None:
+    """The hub repository `model` downloaded (config and weights) when it holds a head; None
+    when, asked without a method, it holds something else (a draft model vLLM serves: its
+    config is read, its weights are left to vLLM). Not found, offline without it cached or
+    gated: resolve()'s error (what was wrong, what to give instead)."""
+    from huggingface_hub import hf_hub_download
+
+    from treedraft.heads.speculators import resolve
+
+    if method is None:
+        try:
+            raw = _read_json(Path(hf_hub_download(model, "config.json")))
+        except (OSError, ValueError):  # resolve() below names the failure
+            raw = None
+        if raw is not None and not _is_head(raw):
+            return None
+    return resolve(model)
 
 
 def imported_dir(head, source: Path) -> Path:
@@ -162,14 +199,16 @@ def rewrite(engine_args, target_model_config, parallel_config=None) -> None:
         if getattr(engine_args, attr, None) is not None and key not in sc:
             sc[key] = getattr(engine_args, attr)
     sc = {k.replace("-", "_"): v for k, v in sc.items()}
-    head_dir = _head_dir(sc.get("model"))
+    head_dir = _head_dir(sc.get("model"), sc.get("method"))
     if head_dir is None:
         if sc.get("method") == KEY and not sc.get("model"):
             return _rewrite_lookup_only(engine_args, sc, target_model_config, parallel_config)
         if sc.get("method") == KEY:
             raise ValueError(
                 f"--speculative-config: method 'treedraft' needs 'model' to be a treedraft head "
-                f"folder (config.json with head_type) or a shipped head name, got {sc.get('model')!r}"
+                f"folder (config.json with head_type), an EAGLE-3 folder or hub id "
+                f"(speculators or LlamaForCausalLMEagle3 config.json) or a shipped head name, "
+                f"got {sc.get('model')!r}"
             )
         return
     from treedraft.heads.common import load_head
