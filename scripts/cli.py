@@ -123,9 +123,12 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
                         "ground truth); vllm: a batched vLLM engine with the plugin, same report")
     p.add_argument("--batch-size", type=int, default=16,
                    help="--engine vllm: requests per wave")
-    p.add_argument("--dtype", default="float32",
-                   help="--engine vllm: float32 (as the reference), bfloat16, or auto (this "
-                        "machine's choice)")
+    p.add_argument("--dtype", default=None,
+                   help="--engine vllm: float32, bfloat16, or auto (the device's serving dtype); "
+                        "default: float32 on a CPU (as the reference), auto (bf16) on a GPU")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="--engine vllm on a GPU: share of its memory vLLM may take (vLLM's "
+                        "default 0.9); lower it beside another process on the GPU")
 
 
 @command("eval", _eval_args)
@@ -142,7 +145,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     if args.engine == "vllm":
         from treedraft.scripts.eval_vllm import evaluate_vllm
 
-        report = evaluate_vllm(cfg, batch_size=args.batch_size, dtype=args.dtype)
+        report = evaluate_vllm(cfg, batch_size=args.batch_size, dtype=args.dtype,
+                               gpu_memory_utilization=args.gpu_memory_utilization)
     else:
         report = evaluate(cfg)
     if args.json:

@@ -3,6 +3,8 @@ batched vLLM engine with the treedraft plugin instead of the reference decoder.
 
     treedraft eval --engine vllm --head smollm2-135m-eagle --prompts mtbench --tree chain:5
     treedraft eval --engine vllm --head runs/eagle/final --tree dynamic:60,6,8 --batch-size 16
+    treedraft eval --engine vllm --target meta-llama/Llama-3.1-8B-Instruct \
+        --head runs/llama-3.1-8b-eagle3/final --tree chain:5 --gpu-memory-utilization 0.5  # GPU
 
 Same prompts (first user turn, chat template), same tree, same sampling settings and the same
 report keys as the reference evaluator (training/evaluate.py), read from vLLM's spec-decode
@@ -12,6 +14,12 @@ For a head's trees every step drafts, so the numbers are the reference's (the en
 them to it step for step at batch 1); for lookup alone vLLM counts only steps that found a
 draft (see `num_drafting_steps` in the reference report). Requests run in waves of
 `batch_size` with a token budget large enough that no tree is cut to fit a step.
+
+The engine runs on the device vLLM finds: on a GPU in its serving dtype (bf16, `--dtype auto`
+resolved for CUDA) with `--gpu-memory-utilization` of it (vLLM's default 0.9 when not given);
+on a CPU in float32, the reference decoder's dtype. A treedraft head folder (an EAGLE-3-layout
+head of a real-target recipe included) drafts through the treedraft plugin; a folder in the
+speculators format too, with the tree it would be served with.
 
 The reference decoder stays the ground truth for exactness; this path batches requests, which
 pays where verification is cheap (GPU); on a 2-core AVX2 CPU it took about as long as the
@@ -48,14 +56,45 @@ def eval_jobs(prompts: list[list[int]], cfg: EvalConfig, batch_size: int | None,
     return [{"name": name, "prompts": prompts, "params": params, "batch_size": batch_size}]
 
 
-def evaluate_vllm(cfg: EvalConfig, *, batch_size: int = DEFAULT_BATCH, dtype: str = "float32",
-                  progress: bool = True) -> dict:
-    """Run `cfg` through a vLLM engine with the plugin; the report of `treedraft eval`."""
+def engine_settings(dtype: str | None, gpu_memory_utilization: float | None,
+                    device=None) -> dict:
+    """The `vllm.LLM` dtype (and GPU share) of the device the engine runs on (None: a GPU where
+    one is visible). dtype None: float32 on a CPU (the reference decoder's), the device's
+    serving dtype on a GPU; 'auto': the device's serving dtype (heads/machine.py)."""
+    from treedraft.heads.machine import resolve_dtype
+    from treedraft.training.config import work_device
+
+    device = work_device(device)
+    cuda = device.type == "cuda"
+    out = {"dtype": resolve_dtype(dtype or ("auto" if cuda else "float32"), device,
+                                  workload="serve")}
+    if gpu_memory_utilization is not None:
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"--gpu-memory-utilization {gpu_memory_utilization} must be in "
+                             "(0, 1]: the share of the GPU's memory vLLM may take")
+        if cuda:
+            out["gpu_memory_utilization"] = gpu_memory_utilization
+    return out
+
+
+def machine() -> str:
+    """The device the engine runs on, in words."""
+    import torch
+
+    from treedraft.heads.machine import describe
+
+    return (f"CUDA: {torch.cuda.get_device_name()}" if torch.cuda.is_available()
+            else describe())
+
+
+def evaluate_vllm(cfg: EvalConfig, *, batch_size: int = DEFAULT_BATCH, dtype: str | None = None,
+                  gpu_memory_utilization: float | None = None, progress: bool = True) -> dict:
+    """Run `cfg` through a vLLM engine with the plugin; the report of `treedraft eval`.
+    `engine_settings` picks the dtype and GPU share."""
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
 
     from treedraft.heads.common import load_head, read_config
-    from treedraft.heads.machine import describe, resolve_dtype
     from treedraft.heads.shipped import resolve_head
     from treedraft.heads.speculators import default_tree, is_speculators
     from treedraft.heads.tree import parse_tree_spec
@@ -67,6 +106,7 @@ def evaluate_vllm(cfg: EvalConfig, *, batch_size: int = DEFAULT_BATCH, dtype: st
 
     if batch_size < 1:
         raise ValueError(f"--batch-size {batch_size} must be >= 1")
+    settings = engine_settings(dtype, gpu_memory_utilization)
     head_dir = None if cfg.head == "none" else str(resolve_head(cfg.head))
     head_cfg = read_config(head_dir) if head_dir else {}
     if is_speculators(head_cfg):  # served as the plugin serves it
@@ -87,7 +127,7 @@ def evaluate_vllm(cfg: EvalConfig, *, batch_size: int = DEFAULT_BATCH, dtype: st
     bs = min(batch_size, len(prompts))
     nodes = spec.max_nodes if spec is not None else 0
     # prefill chunks may share a step with trees; no tree is cut to fit the step's budget
-    llm = {"dtype": resolve_dtype(dtype), "max_num_seqs": bs,
+    llm = {**settings, "max_num_seqs": bs,
            "max_num_batched_tokens": max(2048, bs * (nodes + 1)),
            "max_model_len": max(len(p) for p in prompts) + cfg.max_new_tokens + nodes + 1}
     total = len(prompts) * cfg.max_new_tokens
@@ -115,7 +155,7 @@ def evaluate_vllm(cfg: EvalConfig, *, batch_size: int = DEFAULT_BATCH, dtype: st
                   generate_seconds=sum(res["wave_seconds"]),
                   tokens_per_second=report["tokens_generated"] / max(sum(res["wave_seconds"]),
                                                                      1e-9),
-                  engine="vllm", batch_size=bs, dtype=llm["dtype"], machine=describe(),
+                  engine="vllm", batch_size=bs, dtype=llm["dtype"], machine=machine(),
                   outputs=[{"id": pid, "tokens": t}
                            for pid, t in zip(ds["id"], res["tokens"], strict=True)])
     return report

@@ -7,7 +7,10 @@ EAGLE-3 head with the recipe's draft vocabulary that exports with those auxiliar
 exported Llama head loads and drafts in stock vLLM's EAGLE-3 on the CPU (one engine start: the
 three exports load through the same `Eagle3LlamaForCausalLM` draft, and the targets' auxiliary
 hidden states are vLLM's `SupportsEagle3`, whose list of architectures is checked against the
-installed vLLM); at the real sizes each recipe resolves its documented layers and its memory
+installed vLLM); the trained Llama head itself is evaluated by `treedraft eval --engine vllm`
+through the treedraft plugin (tau per depth on MT-bench, the reference decoder's greedy text),
+and that evaluation's engine takes the device's dtype and GPU share (bf16 and
+--gpu-memory-utilization on a GPU, faked; float32 on a CPU); at the real sizes each recipe resolves its documented layers and its memory
 estimate is the one its header states and fits an 80 GB GPU; a target vLLM 0.32 cannot take
 auxiliary hidden states from (Gemma-2) and a run that would not fit are refused before any
 weights load (their target folders hold none).
@@ -197,3 +200,46 @@ def test_exported_llama_recipe_head_drafts_in_stock_vllm(exported):
                               "method": "eagle3", "model": str(spec),
                               "num_speculative_tokens": 2})
     assert len(texts) == 1 and "Eagle3LlamaForCausalLM" in log, log[-3000:]
+
+
+def test_eval_vllm_engine_takes_the_devices_dtype_and_gpu_share(monkeypatch):
+    from treedraft.scripts import eval_vllm
+    from treedraft.training.evaluate import EvalConfig
+
+    settings = eval_vllm.engine_settings
+    assert settings(None, 0.5, "cpu") == {"dtype": "float32"}  # the reference's; no GPU share
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert settings(None, 0.5, "cuda") == {"dtype": "bfloat16", "gpu_memory_utilization": 0.5}
+    assert settings("float32", None, "cuda") == {"dtype": "float32"}
+    with pytest.raises(ValueError, match="--gpu-memory-utilization 1.5 must be in"):
+        settings(None, 1.5, "cpu")
+    # on a (faked) GPU box an EAGLE-3-layout head goes to the plugin in bf16 with the GPU share
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    seen = {}
+
+    def run_engine(target, spec, jobs, *, llm, **kw):
+        seen.update(spec=spec, llm=llm)
+        raise KeyboardInterrupt  # stop before any engine
+
+    monkeypatch.setattr("treedraft.scripts.engine.run_engine", run_engine)
+    with pytest.raises(KeyboardInterrupt):
+        eval_vllm.evaluate_vllm(EvalConfig(head="smollm2-135m-eagle3", tree="chain:3", limit=1),
+                                gpu_memory_utilization=0.4, progress=False)
+    assert "method" not in seen["spec"] and seen["spec"]["tree"] == "chain:3"  # the plugin's
+    assert seen["llm"]["dtype"] == "bfloat16" and seen["llm"]["gpu_memory_utilization"] == 0.4
+
+
+@pytest.mark.vllm
+def test_eval_vllm_measures_the_recipe_head_through_the_plugin(exported):
+    from treedraft.scripts.eval_vllm import evaluate_vllm
+    from treedraft.training.evaluate import EvalConfig, evaluate
+
+    target, final, _ = exported("llama-3.1-8b-eagle3")
+    assert load_head(final).config.layout == "eagle3"
+    cfg = EvalConfig(target=str(target), head=str(final), tree="chain:2", limit=2, stride=40,
+                     max_new_tokens=8)
+    report = evaluate_vllm(cfg, batch_size=2, progress=False)
+    assert report["dtype"] == "float32" and report["num_drafting_steps"] > 0
+    assert len(report["per_position_acceptance"]) == 2 and report["mean_acceptance_length"] >= 1
+    reference = evaluate(cfg)["outputs"]  # greedy: the same text
+    assert [o["tokens"] for o in report["outputs"]] == [o["tokens"] for o in reference]
