@@ -69,7 +69,7 @@ def _head_dir(model: Any, method: Any = None) -> Path | None:
         return resolve_head(model)
     folder = Path(model).expanduser()
     if method in (None, KEY) and is_hub_id(model):
-        folder = _hub_head(model, method)
+        folder = _hub_head(model)
         if folder is None:
             return None
     raw = _read_json(folder / "config.json")
@@ -90,22 +90,21 @@ def _read_json(path: Path) -> dict | None:
     return raw if isinstance(raw, dict) else None
 
 
-def _hub_head(model: str, method: Any) -> Path | None:
+def _hub_head(model: str) -> Path | None:
     """The hub repository `model` downloaded (config and weights) when it holds a head; None
-    when, asked without a method, it holds something else (a draft model vLLM serves: its
-    config is read, its weights are left to vLLM). Not found, offline without it cached or
-    gated: resolve()'s error (what was wrong, what to give instead)."""
+    when its config.json says it holds something else (e.g. a draft model for vLLM: its
+    weights are left to vLLM). Not found, offline without it cached, gated: resolve()'s error
+    (what was wrong, what to give instead)."""
     from huggingface_hub import hf_hub_download
 
     from treedraft.heads.speculators import resolve
 
-    if method is None:
-        try:
-            raw = _read_json(Path(hf_hub_download(model, "config.json")))
-        except (OSError, ValueError):  # resolve() below names the failure
-            raw = None
-        if raw is not None and not _is_head(raw):
-            return None
+    try:
+        raw = _read_json(Path(hf_hub_download(model, "config.json")))
+    except (OSError, ValueError):  # resolve() below names the failure
+        raw = None
+    if raw is not None and not _is_head(raw):
+        return None
     return resolve(model)
 
 

@@ -6,8 +6,9 @@
   64, vocabulary 49152, a 2048-token draft vocabulary; tiny random weights), given to
   `--speculative-config` as a folder or as a hub id (`org/name`, resolved through a prepared,
   offline hub cache) with no method, becomes treedraft's proposer with its imported head; a
-  hub id that cannot be fetched fails at start-up with resolve()'s message; a hub id asked for
-  without a method whose config is no head is left to vLLM without fetching its weights;
+  hub id that cannot be fetched fails at start-up with resolve()'s message; a hub repository
+  whose config.json is no head is not fetched further: left to vLLM without a method, refused
+  with method "treedraft";
 * served as `dynamic:8,3,3` trees, its greedy output is identical to vLLM without speculation
   (random weights: few drafts accepted; drafts were made, branching ones).
 """
@@ -93,6 +94,9 @@ def test_flat_folder_and_hub_id_become_the_tree_proposer(flat_head, target, tmp_
 
     monkeypatch.setattr("treedraft.heads.speculators.resolve", no_fetch)
     assert _head_dir("org/draft-model") is None
+    with pytest.raises(ValueError, match="treedraft head folder.*got 'org/draft-model'"):
+        _engine_config(target, {"model": "org/draft-model", "method": "treedraft",
+                                "tree": TREE})
     assert _head_dir(REPO, "eagle3") is None  # vLLM's own EAGLE-3: not fetched by treedraft
 
 
