@@ -65,11 +65,11 @@ engine core and worker in-process, which starts in about half the time):
 
 from __future__ import annotations
 
-import math
 import re
 
 import pytest
 import torch
+from near_tie import BF16_ULPS
 from scipy.stats import chi2_contingency
 from vllm_run import INPROC
 
@@ -99,7 +99,6 @@ PARITY = 2  # single-stream prompts of the parity job (MT-bench first turns)
 LONG_PROMPT = 490  # tokens: the serving job's long request reaches max_model_len 512 (pressure)
 NEWLINE = 198  # SmolLM2's "\n"
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
-BF16_ULPS = 4  # bf16 trees may pick a token only this close (ulps) to no-spec's top logit
 PARAMS = {"topp": {"temperature": 0.8, "top_p": 0.9}, "topk": {"temperature": 1.0, "top_k": 5}}
 
 
@@ -318,11 +317,6 @@ def test_step_profile_times_each_phase(runs):
     assert tree["tokens"] / tree["steps"] > base["tokens"] / base["steps"]
 
 
-def _bf16_ulp(x: float) -> float:
-    """The spacing of bfloat16 numbers (8 significant bits) at |x|."""
-    return 2.0 ** (math.floor(math.log2(abs(x))) - 7) if x else 2.0 ** -133
-
-
 def test_bf16_tree_diverges_only_where_no_speculation_is_at_a_near_tie(runs, prompts):
     """In bfloat16 a tree's rows run in other shapes than no speculation's (several rows per
     request through the target's matmuls and the attention kernel's multi-row path; the torch
@@ -334,26 +328,12 @@ def test_bf16_tree_diverges_only_where_no_speculation_is_at_a_near_tie(runs, pro
     error shows up as a divergence at a clear gap (tens of ulps and more); measured divergences
     are at 0-3 ulps, and the bound leaves room for other CPUs' kernels (AMX) rounding
     differently."""
+    from near_tie import divergences
+
     base = runs["base_bf16"][0]["greedy"]
     res = runs["tree_bf16"][0]["greedy"]
     assert res["spec"]["drafts"] > 0 and res["spec"]["accepted"] > 0, res["spec"]
-    report = []
-    for i, (a, b) in enumerate(zip(base["tokens"], res["tokens"], strict=True)):
-        k = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
-        if k is None:
-            assert len(a) == len(b), (i, len(a), len(b))
-            continue
-        # no speculation's top-5 [token, raw logit] pairs (logprobs_mode raw_logits) there
-        pairs = base["top_logprobs"][i][k]
-        top1 = pairs[0][1]
-        assert top1 == base["logprobs"][i][k], "no speculation's own token is its argmax"
-        logit = dict((t, v) for t, v in pairs).get(b[k])  # the tree's token, in no-spec's run
-        assert logit is not None, (
-            f"prompt {i}, token {k}: the bf16 tree chose {b[k]}, outside no speculation's "
-            f"top 5 there: {pairs}")
-        gap, ulp = top1 - logit, _bf16_ulp(top1)
-        report.append({"prompt": i, "token": k, "top": round(top1, 3), "gap": round(gap, 4),
-                       "ulps": round(gap / ulp, 2)})
+    report = divergences(base, res)
     print(f"bf16 tree vs no speculation: {len(report)} of {len(prompts)} prompts diverge; "
           f"at each, no speculation's top logit minus the tree's token's: {report}")
     assert all(r["ulps"] <= BF16_ULPS for r in report), (
