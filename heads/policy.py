@@ -75,7 +75,7 @@ class ArmBandit:
     """Plan each step's arm (`plan`), learn from its outcome (`observe`). See the module doc."""
 
     def __init__(self, arms: dict[bool, Sequence[str]], window: int = 8,
-                 explore_every: int = 5, bonus: float = 0.5, decay: float = 0.95,
+                 explore_every: int = 8, bonus: float = 0.5, decay: float = 0.95,
                  sweep: float = 0.85) -> None:
         self.arms = {sampled: list(a) for sampled, a in arms.items()}  # per sampling class
         self.window, self.explore_every = window, explore_every
@@ -141,9 +141,10 @@ class ArmBandit:
             return best
 
         def optimistic(i: int) -> float:  # the frontier: as good as the arm below it, at best
-            a = arms[i] if i < frontier else arms[frontier - 1]
-            steps = a.steps if i < frontier else 0.0
-            return a.rate * (1 + self.bonus / math.sqrt(max(steps, 1.0) / self.window))
+            if i == frontier:
+                return arms[frontier - 1].rate
+            return arms[i].rate * (1 + self.bonus / math.sqrt(max(arms[i].steps, 1.0)
+                                                              / self.window))
 
         return max((i for i in range(min(frontier + 1, len(arms))) if i != best),
                    key=optimistic)

@@ -84,6 +84,18 @@ def test_a_step_counts_only_when_the_step_before_ran_the_same_arm():
     assert b.rates((1, False))["b"] == 7.0
 
 
+def test_larger_untried_arms_are_explored_only_as_good_as_the_arm_below():
+    """Where the sweep stopped (a small arm already loses), the next larger arm counts, for
+    exploration, as the arm below it without a bonus: it is tried only when that arm's rate
+    beats the others' optimistic rates, not at every exploration."""
+    arms = [NONE, "chain:1", "chain:2", "tree:8", "tree:16", "tree:32"]
+    true = dict(zip(arms, (30.0, 24.0, 20.0, 15.0, 10.0, 6.0), strict=True))
+    b = ArmBandit({False: arms, True: [NONE]})
+    played = run(b, lambda a, t: true[a], 3000, noise=0.1)
+    assert "tree:16" not in played and "tree:32" not in played, played
+    assert played[NONE] > 0.85 * 3000  # exploration: one window in 8
+
+
 def test_contexts_learn_apart():
     """Batch 1 and batch 8 (and greedy vs sampled) keep their own measurements: where a chain
     pays at batch 1 and drafting nothing pays at batch 8, each runs its own best."""
