@@ -41,6 +41,7 @@ nothing is drafted (the head still reads the step's hidden states, so it keeps i
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import defaultdict, deque
@@ -85,7 +86,7 @@ class AutoArms:
     configuration each step runs, from the tokens per second each realized here) fed with this
     engine's steps: their wall time (the worker's step plus the median gap between steps, the
     scheduler's and frontend's share), the tokens they gave, and whether they prefilled. Logs its
-    choice (rank 0) when it or the arms measured change, at most every 10 s."""
+    choice (rank 0) when it or the arms measured change, at most every 10 s per context."""
 
     def __init__(self, spec, max_depth: int | None) -> None:
         from treedraft.heads.policy import NONE, ArmBandit, arms_for
@@ -106,8 +107,8 @@ class AutoArms:
         self._last_end: float | None = None
         self._gaps: deque[float] = deque(maxlen=32)
         self._planned = False  # this step ran an arm
-        self._logged: tuple | None = None
-        self._log_at = 0.0
+        self._logged: dict = {}  # per context: (best, arms measured) last logged, and when
+
         self.steps: dict[str, int] = defaultdict(int)  # steps per arm
 
     def plan(self, batch: int, sampled: int = 0):
@@ -120,13 +121,13 @@ class AutoArms:
         best = self.bandit.best(ctx)
         now = time.monotonic()
         rates = self.bandit.rates(ctx)
-        if best is not None and (ctx, best, len(rates)) != self._logged \
-                and now - self._log_at > 10 and _tp_rank0():
+        said, at = self._logged.get(ctx, (None, -math.inf))
+        if best is not None and (best, len(rates)) != said and now - at > 10 and _tp_rank0():
             logger.info("treedraft auto: batch <= %d, %s: best %s; tokens/s by arm: %s; steps "
                         "so far by arm: %s", ctx[0], "sampled" if ctx[1] else "greedy", best,
                         ", ".join(f"{a} {r:.1f}" for a, r in rates.items()),
                         ", ".join(f"{a} {n}" for a, n in self.steps.items()))
-            self._logged, self._log_at = (ctx, best, len(rates)), now
+            self._logged[ctx] = ((best, len(rates)), now)
         return self.specs[arm]
 
     def tally(self) -> str:

@@ -401,9 +401,13 @@ def test_greedy_outputs_identical_to_no_speculation(runs, name, prompts, target)
         said = re.findall(r"treedraft auto: batch <= (\d+), (greedy|sampled): best (\S+); "
                           r"tokens/s by arm: ([^;]*); steps so far by arm: (.*)", log)
         assert said, log[-3000:]
-        rates = dict(re.findall(r"(\S+) ([\d.]+)(?:,|$)", said[-1][3]))
-        assert said[-1][2] in rates and len(rates) >= 2, said[-1]  # ranked what it measured
-        assert float(rates[said[-1][2]]) == max(map(float, rates.values())), said[-1]
+        measured = 0  # the most arms one line ranked
+        for line in said:  # each line's best is the fastest arm it measured in that context
+            rates = dict(re.findall(r"(\S+) ([\d.]+)(?:,|$)", line[3]))
+            assert line[2] in rates, line
+            assert float(rates[line[2]]) == max(map(float, rates.values())), line
+            measured = max(measured, len(rates))
+        assert measured >= 2, said  # it measured more than drafting nothing somewhere
         steps = dict(re.findall(r"(\S+) (\d+)(?:,|$)", said[-1][4]))
         assert sum(map(int, steps.values())) > 0 and "none" in steps, said[-1]
 
