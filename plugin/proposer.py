@@ -86,7 +86,8 @@ class AutoArms:
     configuration each step runs, from the tokens per second each realized here) fed with this
     engine's steps: their wall time (the worker's step plus the median gap between steps, the
     scheduler's and frontend's share), the tokens they gave, and whether they prefilled. Logs its
-    choice (rank 0) when it or the arms measured change, at most every 10 s per context."""
+    choice (rank 0) per context: when it measured one more arm, and when its best changes (at
+    most every 10 s)."""
 
     def __init__(self, spec, max_depth: int | None) -> None:
         from treedraft.heads.policy import NONE, ArmBandit, arms_for
@@ -121,8 +122,9 @@ class AutoArms:
         best = self.bandit.best(ctx)
         now = time.monotonic()
         rates = self.bandit.rates(ctx)
-        said, at = self._logged.get(ctx, (None, -math.inf))
-        if best is not None and (best, len(rates)) != said and now - at > 10 and _tp_rank0():
+        (said, n), at = self._logged.get(ctx, ((None, 0), -math.inf))
+        if best is not None and (len(rates) != n or best != said and now - at > 10) \
+                and _tp_rank0():
             logger.info("treedraft auto: batch <= %d, %s: best %s; tokens/s by arm: %s; steps "
                         "so far by arm: %s", ctx[0], "sampled" if ctx[1] else "greedy", best,
                         ", ".join(f"{a} {r:.1f}" for a, r in rates.items()),
