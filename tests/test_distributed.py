@@ -19,22 +19,7 @@ import sys
 from pathlib import Path
 
 import torch
-
-
-def tiny_target(root: Path) -> Path:
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from treedraft.training.models import resolve_model
-
-    tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                      initializer_range=0.3, bos_token_id=tok.bos_token_id,
-                      eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(root)
-    tok.save_pretrained(root)
-    return root
+from tiny_llama import tiny_llama
 
 
 def overrides(target: Path, prompts: Path, data: Path, out: Path, **kw) -> list[str]:
@@ -57,7 +42,7 @@ def test_two_torchrun_processes_train_the_single_process_head(tmp_path, monkeypa
     from treedraft.training.config import load_config
     from treedraft.training.loop import train
 
-    target = tiny_target(tmp_path / "target")
+    target = tiny_llama(tmp_path / "target")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"Question number {i}?"}) + "\n"
                                for i in range(8)))

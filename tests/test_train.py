@@ -39,19 +39,10 @@ PROMPTS = ["Hi there", "What is 2+2?", "Tell me a joke.", "Name a colour.",
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(target folder, prompts.jsonl): a random 2-layer Llama saved with SmolLM2's tokenizer."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from treedraft.training.models import resolve_model
+    from tiny_llama import tiny_llama
 
     root = tmp_path_factory.mktemp("tiny")
-    tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                      initializer_range=0.3, bos_token_id=tok.bos_token_id,
-                      eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(root / "target")
-    tok.save_pretrained(root / "target")
+    tiny_llama(root / "target")
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     return root / "target", prompts
