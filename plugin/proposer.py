@@ -119,9 +119,9 @@ class AutoArms:
         self._planned = True
         self.steps[arm] += 1
         ctx = self.bandit.ctx
-        best = self.bandit.best(ctx)
-        now = time.monotonic()
         rates = self.bandit.rates(ctx)
+        best = max(rates, key=rates.get) if rates else None
+        now = time.monotonic()
         (said, n), at = self._logged.get(ctx, ((None, 0), -math.inf))
         if best is not None and (len(rates) != n or best != said and now - at > 10) \
                 and _tp_rank0():
