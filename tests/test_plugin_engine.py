@@ -229,7 +229,8 @@ def runs(target, prompts, tokenizer, eagle3_export, medusa_export, tmp_path_fact
     greedy = jobs[:1]
     serving = _serving_job(prompts)
     shapes = _shapes_job(prompts, tokenizer)
-    small_kv = {"num_gpu_blocks_override": 5, "max_model_len": 512}  # 5 blocks of 128 tokens
+    small_kv = {"num_gpu_blocks_override": 5, "block_size": 128,  # 5 blocks of 128 tokens
+                "max_model_len": 512}
     profiles = tmp_path_factory.mktemp("profile")  # step profiles (plugin/profile.py)
     capital = {"name": "capital", "prompts": [encode_chat(tokenizer, CAPITAL)],
                "params": {"temperature": 0, "max_tokens": 12}}
