@@ -25,6 +25,9 @@ SHIPPED_HEADS: dict[str, tuple[str, str]] = {
     "smollm2-135m-medusa": ("smollm2-135m", "smollm2-135m-medusa"),
     # EAGLE-3 layout (exports to stock vLLM's eagle3); 12 CPU minutes, see its provenance
     "smollm2-135m-eagle3": ("smollm2-135m", "smollm2-135m-eagle3"),
+    # Qwen2.5-Coder-0.5B-Instruct, EAGLE-3 layout, MLP 1024 wide; trained on a 2-core CPU
+    # (scripts/recipes/qwen2.5-coder-0.5b-eagle3.yaml, its provenance)
+    "qwen2.5-coder-0.5b-eagle3": ("qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b-eagle3"),
 }
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from treedraft.heads.shipped import SHIPPED_HEADS
 from treedraft.training import models
 from treedraft.training.embedded import PackagedFile
 from treedraft.training.models import EMBEDDED_MODELS, materialize, resolve_model
@@ -118,3 +119,31 @@ def test_shipped_heads_load_and_draft_better_than_chance(name, cls_name, torch_t
     # acceptance measured after training (top-1 at depth 1 on held-out replies); random: ~1e-4
     assert head.config.acceptance_rates[0][0] > 0.1
     assert head.provenance["eval"]["mean_acceptance_length"] > 1.3
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED_HEADS))
+def test_shipped_head_configs_fit_their_targets(name):
+    """Every shipped head's config names the target it is listed for (architecture, hidden
+    size, vocabulary, layers, tokenizer fingerprint: what `load_head` checks), read from the
+    target's config and tokenizer alone (no weights, no vLLM); the files stay small in git."""
+    import json
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from treedraft.heads.common import TargetSignature
+    from treedraft.heads.shipped import resolve_head
+    from treedraft.training.target import target_signature
+
+    target = SHIPPED_HEADS[name][0]
+    if target.startswith("qwen") and not QWEN_INSTALLED:
+        pytest.skip("qwen packages not installed (see README)")
+    folder = resolve_model(target)
+    path = resolve_head(name)
+    config = json.loads((path / "config.json").read_text())
+    sig = target_signature(AutoConfig.from_pretrained(folder), AutoTokenizer.from_pretrained(folder))
+    assert TargetSignature.from_dict(config["target"]).mismatches(sig) == []
+    assert config["hidden_size"] == sig.hidden_size
+    assert all(0 <= i <= sig.num_hidden_layers for i in config.get("target_layer_ids") or [])
+    assert (path / "model.safetensors").stat().st_size < 32 << 20
+    for extra in ("provenance.json", "train_config.json"):
+        assert (path / extra).is_file()

@@ -710,7 +710,8 @@ def test_prompt_offset_skips_the_first_prompts(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("recipe", ["smollm2-135m-eagle", "smollm2-135m-eagle3",
-                                    "smollm2-135m-medusa", "tiny-cpu"])
+                                    "smollm2-135m-medusa", "tiny-cpu",
+                                    "qwen2.5-coder-0.5b-eagle3"])
 def test_recipes_load_and_validate(recipe):
     from pathlib import Path
 
