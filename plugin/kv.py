@@ -9,9 +9,9 @@ Copying in increasing j is hazard-free: a_j >= j, and later sources a_m > a_j > 
 overwritten. Rejected slots need no release: they lie beyond the rolled-back length and are
 rewritten by later steps, as with vLLM's own rejected drafts.
 
-Layouts: the CPU cache (`vec`) is copied slot by slot in order (`attention_cpu.copy_slots`);
-vLLM's CUDA cache (`flash`, any physical stride order) by one gather and one scatter on its
-K/V views (`tree_kernel.copy_slots`), equal to the ordered copies by the hazard argument above.
+Every layout (the CPU cache `vec`, vLLM's CUDA cache `flash` in any physical stride order) is
+copied by one gather and one scatter per layer on its K/V views (`tree_kernel.copy_slots`),
+equal to the ordered copies by the hazard argument above.
 """
 
 from __future__ import annotations
@@ -54,10 +54,6 @@ def copy_kv_slots(kv_cache: torch.Tensor, src: list[int], dst: list[int],
                   layout: str | None = None) -> None:
     """K/V of slots `src` to slots `dst` in one layer's cache [nb, Hkv, bs, 2D]; layout
     None: the CPU `vec` layout on CPU, vLLM's CUDA (`flash`) layout elsewhere."""
-    if (layout or ("vec" if kv_cache.device.type == "cpu" else "flash")) == "vec":
-        from .attention_cpu import copy_slots
-
-        copy_slots(kv_cache, src, dst)
-        return
-    k, v = tree_kernel.kv_views(kv_cache, kv_cache.shape[-1] // 2, "flash")
+    layout = layout or ("vec" if kv_cache.device.type == "cpu" else "flash")
+    k, v = tree_kernel.kv_views(kv_cache, kv_cache.shape[-1] // 2, layout)
     tree_kernel.copy_slots(k, v, src, dst)

@@ -346,7 +346,8 @@ def test_chain_cover_gives_each_node_its_ancestors_once():
 
 
 def test_copy_slots_moves_accepted_kv_to_sequential_slots():
-    from treedraft.plugin.attention_cpu import copy_slots, gather_kv
+    from treedraft.plugin.attention_cpu import gather_kv
+    from treedraft.plugin.kv import copy_kv_slots
 
     torch.manual_seed(1)
     _, kv, layer = _impl_and_cache()
@@ -360,8 +361,8 @@ def test_copy_slots_moves_accepted_kv_to_sequential_slots():
     k, v = gather_kv(kv, block_row, L)
     assert torch.equal(k, K.transpose(0, 1)) and torch.equal(v, V.transpose(0, 1))
     root, accepted = 60, [2, 5, 9]  # node a_j -> position root + j
-    copy_slots(kv, [int(slots[root + a]) for a in accepted],
-               [int(slots[root + j]) for j in range(1, 4)])
+    copy_kv_slots(kv, [int(slots[root + a]) for a in accepted],
+                  [int(slots[root + j]) for j in range(1, 4)])
     k2, v2 = gather_kv(kv, block_row, L)
     for j, a in enumerate(accepted, start=1):
         assert torch.equal(k2[:, root + j], K[root + a])
