@@ -76,15 +76,6 @@ def gather_kv(kv_cache: torch.Tensor, block_row: torch.Tensor, length: int):
     return k[0], v[0]
 
 
-def copy_slots(kv_cache: torch.Tensor, src: list[int], dst: list[int]) -> None:
-    """Copy K/V from slots `src` to slots `dst` in order (vec layout; slot = block*bs + offset)."""
-    kc, vc = vec_views(kv_cache)
-    bs = kc.shape[-1]
-    for s, d in zip(src, dst, strict=True):
-        kc[d // bs, :, :, d % bs] = kc[s // bs, :, :, s % bs]
-        vc[d // bs, :, d % bs, :] = vc[s // bs, :, s % bs, :]
-
-
 class TreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)

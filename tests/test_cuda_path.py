@@ -14,7 +14,7 @@ Proves:
   `register()` puts the three subclasses in vLLM's registry, and each resolves to a subclass
   of the stock backend whose impl is the mixin;
 - KV compaction: the `flash` layout copy (any stride order) equals ordered slot copies, and
-  the CPU `vec` path is the previous `attention_cpu.copy_slots` byte for byte;
+  the CPU `vec` path equals copying slot by slot in order, byte for byte;
 - `self_test` passes under the Triton interpreter in the LBNHC / LBHNC / vec layouts and
   raises with the numbers on a broken kernel; `treedraft selftest` prints it with the device.
 """
@@ -390,8 +390,18 @@ def test_flash_compaction_equals_ordered_copies(order):
     assert torch.equal(kv, want)
 
 
-def test_vec_compaction_is_unchanged():
-    from treedraft.plugin.attention_cpu import copy_slots
+def _ordered_vec_copies(kv_cache: torch.Tensor, src: list[int], dst: list[int]) -> None:
+    """K/V of slots `src` to slots `dst` one slot at a time, in order (vec layout)."""
+    from treedraft.plugin.attention_cpu import vec_views
+
+    kc, vc = vec_views(kv_cache)
+    bs = kc.shape[-1]
+    for s, d in zip(src, dst, strict=True):
+        kc[d // bs, :, :, d % bs] = kc[s // bs, :, :, s % bs]
+        vc[d // bs, :, d % bs, :] = vc[s // bs, :, s % bs, :]
+
+
+def test_vec_compaction_equals_ordered_slot_copies():
     from treedraft.plugin.kv import compact_accepted
 
     kv = torch.randn(5, 2, 4, 16)
@@ -404,7 +414,7 @@ def test_vec_compaction_is_unchanged():
                                                           [-1, 0, 0, 1, 1, 2], [0] * 6, False)})
     step.accepted = {"r": [2, 5]}  # rows qs + 2, qs + 5 (slots 4, 7) -> rows qs + 1, 2 (3, 4)
     want = kv.clone()
-    copy_slots(want, [4, 7], [3, 4])
+    _ordered_vec_copies(want, [4, 7], [3, 4])
     assert compact_accepted(runner, step) == 2
     assert torch.equal(kv, want)
 
