@@ -5,9 +5,10 @@
 * the exported tensors computed the way vLLM 0.32's `llama_eagle3.py` / `qwen3_eagle3.py`
   compute them (written out below from those files, on the exported names) give our head's
   features and logits;
-* published EAGLE-3 configs (tests/fixtures/eagle3, SOURCES.md there) read field by field as
-  vLLM 0.32's config code reads them, and each, shrunk to tiny dims with random weights in the
-  flat layout, imports with vLLM's math; Llama-3.1 rope frequencies equal vLLM's;
+* published EAGLE-3 configs (tests/fixtures/eagle3, SOURCES.md there: flat and speculators
+  format) read field by field as vLLM 0.32's config code reads them, and each, shrunk to tiny
+  dims with random weights named as the flat layout names them (`midlayer.*`), imports with
+  vLLM's math and vLLM's default depth; Llama-3.1 rope frequencies equal vLLM's;
 * bad folders (speculators or flat) are refused naming the field and both values, a sliding
   window and more than one draft layer included; a source that is neither a folder nor a
   downloadable hub id is refused; export refuses the eagle1 layout and the post-norm output
@@ -424,7 +425,13 @@ def test_published_config_reads_as_vllm_reads_it(name):
 
 def _shrink(cfg: dict) -> dict:
     """The same config at test_heads' dims (H=32, 4 heads of 8, V=50, a 20-token draft
-    vocabulary); every structural field (rope scaling, norms, layout) kept."""
+    vocabulary); every structural field (rope scaling, norms, layout) kept. A speculators
+    config is shrunk in its `transformer_layer_config` (the draft vocabulary stays top-level)."""
+    if "speculators_model_type" in cfg:
+        layer = cfg["transformer_layer_config"]
+        tiny_layer = {k: v for k, v in _shrink(layer).items()
+                      if k != "draft_vocab_size" or k in layer}
+        return {**cfg, "draft_vocab_size": 20, "transformer_layer_config": tiny_layer}
     tiny = {**cfg, "hidden_size": H, "num_attention_heads": 4, "num_key_value_heads": 2,
             "intermediate_size": 64, "vocab_size": V, "draft_vocab_size": 20}
     if "head_dim" in cfg:
@@ -464,7 +471,13 @@ def test_published_config_imports_with_vllms_math(tmp_path, name):
     save_file(w, str(tmp_path / "model.safetensors"))
     target = sig(num_hidden_layers=8)  # vLLM's default layers (2, 4, 5): none named here
     head = load_head(tmp_path, target=target)
-    assert head.config.target_layer_ids == (2, 4, 5) and head.config.default_tree == "chain:3"
+    depth = 3  # a flat config names no depth
+    if "speculators_model_type" in cfg:  # the depth vLLM drafts a speculators folder with
+        from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+        depth = SpeculatorsConfig.extract_vllm_speculative_config(cfg)["num_speculative_tokens"]
+    assert head.config.target_layer_ids == (2, 4, 5)
+    assert head.config.default_tree == f"chain:{depth}"
     assert head.config.rope_scaling == _vllm_reads(cfg)["rope_scaling"]
     head.bind_target(*target_weights())
     head.eval()
