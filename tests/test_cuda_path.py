@@ -470,38 +470,58 @@ def test_selftest_command(capsys):
 # ----------------------------------------------------------------------------- a real engine
 
 
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_cpu_engine_through_the_kernel_wrapper_equals_no_speculation():
-    """TREEDRAFT_TREE_ATTENTION=kernel: a vLLM CPU engine runs TreeImplMixin around CPU_ATTN
-    (torch twin), with its step metadata and KV compaction: greedy output == no speculation in
-    float32, and in bfloat16 it differs only at fp near-ties of the target (tests/near_tie.py)."""
-    from near_tie import BF16_ULPS, divergences
+TEXTS = ["The sea is blue and the sky is blue. The sea is",
+         "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n",
+         "Paris is the capital of France. Berlin is the capital of"]
+KERNEL_TREE = {"model": "smollm2-135m-eagle", "tree": "dynamic:10,3,3+lookup:6"}
+
+
+@pytest.fixture(scope="module")
+def kernel_runs():
+    """TREEDRAFT_TREE_ATTENTION=kernel, four engines in one process (tests/engine_host.py): no
+    speculation in float32 and in bfloat16 (where it reports its top-5 raw logits at every
+    token), then the hybrid tree in float32 and in bfloat16; each runs the same greedy job."""
+    from engine_host import run_engines
     from transformers import AutoTokenizer
 
-    from treedraft.scripts.engine import run_engine
     from treedraft.training.models import resolve_model
 
     target = str(resolve_model("smollm2-135m"))
     tok = AutoTokenizer.from_pretrained(target)
-    texts = ["The sea is blue and the sky is blue. The sea is",
-             "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n",
-             "Paris is the capital of France. Berlin is the capital of"]
-    job = {"name": "greedy", "prompts": [tok(t).input_ids for t in texts],
+    job = {"name": "greedy", "prompts": [tok(t).input_ids for t in TEXTS],
            "params": {"temperature": 0, "max_tokens": 32}}
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", ac.ATTENTION_ENV: "kernel"}
-    tree_spec = {"model": "smollm2-135m-eagle", "tree": "dynamic:10,3,3+lookup:6"}
-    base, _ = run_engine(target, None, [job], env=env, background_shutdown=True)
-    tree, log = run_engine(target, tree_spec, [job], env=env, background_shutdown=True)
+    bf16 = {"dtype": "bfloat16"}
+    with_logits = {**job, "params": {**job["params"], "logprobs": 5}}
+    return run_engines({  # engines without speculation first
+        "base": {"target": target, "spec": None, "jobs": [job]},
+        "base_bf16": {"target": target, "spec": None, "jobs": [with_logits],
+                      "llm": {**bf16, "logprobs_mode": "raw_logits"}},
+        "tree": {"target": target, "spec": KERNEL_TREE, "jobs": [job]},
+        "tree_bf16": {"target": target, "spec": KERNEL_TREE, "jobs": [job], "llm": bf16},
+    }, env={ac.ATTENTION_ENV: "kernel"})
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_cpu_engine_through_the_kernel_wrapper_equals_no_speculation(kernel_runs):
+    """TREEDRAFT_TREE_ATTENTION=kernel: a vLLM CPU engine runs TreeImplMixin around CPU_ATTN
+    (torch twin), with its step metadata and KV compaction: greedy output == no speculation in
+    float32."""
+    (base, _, _), (tree, log, _) = kernel_runs["base"], kernel_runs["tree"]
     assert "tree attention kernel behind CPU_ATTN" in log
     assert tree["greedy"]["spec"]["accepted"] > 0
     assert tree["greedy"]["tokens"] == base["greedy"]["tokens"]
-    # bfloat16: no speculation reports its top-5 raw logits at every token
-    bf16 = {"dtype": "bfloat16"}
-    base, _ = run_engine(target, None, [{**job, "params": {**job["params"], "logprobs": 5}}],
-                         llm={**bf16, "logprobs_mode": "raw_logits"}, env=env,
-                         background_shutdown=True)
-    tree, _ = run_engine(target, tree_spec, [job], llm=bf16, env=env, background_shutdown=True)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_bf16_kernel_path_differs_only_at_near_ties(kernel_runs):
+    """The same in bfloat16: the kernel-path tree differs from no speculation only at fp
+    near-ties of the target (tests/near_tie.py)."""
+    from near_tie import BF16_ULPS, divergences
+
+    base, tree = kernel_runs["base_bf16"][0], kernel_runs["tree_bf16"][0]
+    assert "tree attention kernel behind CPU_ATTN" in kernel_runs["tree_bf16"][1]
     assert tree["greedy"]["spec"]["accepted"] > 0
     report = divergences(base["greedy"], tree["greedy"])
     print(f"bf16 kernel-path tree vs no speculation: {report}")

@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 from safetensors.torch import save_file
 from test_speculators import FIXTURES, flat_weights, hub_cache
-from vllm_run import INPROC
 
 pytestmark = pytest.mark.vllm
 
@@ -102,9 +101,9 @@ def test_flat_folder_and_hub_id_become_the_tree_proposer(flat_head, target, tmp_
 
 @pytest.mark.slow
 def test_flat_eagle3_head_trees_are_exact_in_vllm(flat_head, target, tmp_path):
+    from engine_host import run_engines
     from transformers import AutoTokenizer
 
-    from treedraft.scripts.engine import run_engine
     from treedraft.training.data import first_turn, load_prompts
     from treedraft.training.target import encode_chat
 
@@ -112,9 +111,11 @@ def test_flat_eagle3_head_trees_are_exact_in_vllm(flat_head, target, tmp_path):
     prompts = [encode_chat(tok, first_turn(m))
                for m in load_prompts("mtbench", limit=4)["messages"]]
     job = {"name": "greedy", "prompts": prompts, "params": {"temperature": 0, "max_tokens": 32}}
-    env = {**INPROC, "TREEDRAFT_CACHE": str(tmp_path / "cache")}
-    runs = {name: run_engine(target, spec, [job], env=env, background_shutdown=True)
-            for name, spec in (("base", None), ("tree", {"model": str(flat_head), "tree": TREE}))}
+    # both engines in one process, no speculation first (tests/engine_host.py)
+    runs = run_engines({name: {"target": target, "spec": spec, "jobs": [job]}
+                        for name, spec in (("base", None),
+                                           ("tree", {"model": str(flat_head), "tree": TREE}))},
+                       env={"TREEDRAFT_CACHE": str(tmp_path / "cache")})
     base, tree = runs["base"][0]["greedy"], runs["tree"][0]["greedy"]
     assert "TreeDraftProposer" in runs["tree"][1], runs["tree"][1][-3000:]
     assert all(0 < len(t) <= 32 for t in tree["tokens"])

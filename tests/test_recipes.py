@@ -230,10 +230,18 @@ def test_eval_vllm_engine_takes_the_devices_dtype_and_gpu_share(monkeypatch):
 
 
 @pytest.mark.vllm
-def test_eval_vllm_measures_the_recipe_head_through_the_plugin(exported):
+def test_eval_vllm_measures_the_recipe_head_through_the_plugin(exported, monkeypatch):
+    import functools
+
+    from treedraft.scripts import engine
     from treedraft.scripts.eval_vllm import evaluate_vllm
     from treedraft.training.evaluate import EvalConfig, evaluate
 
+    # the engine's core and worker in its process (tests/vllm_run.py: starts in about half the
+    # time of three processes), shut down in the background once it has answered
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setattr(engine, "run_engine",
+                        functools.partial(engine.run_engine, background_shutdown=True))
     target, final, _ = exported("llama-3.1-8b-eagle3")
     assert load_head(final).config.layout == "eagle3"
     cfg = EvalConfig(target=str(target), head=str(final), tree="chain:2", limit=2, stride=40,
