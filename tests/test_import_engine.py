@@ -9,8 +9,10 @@
   hub id that cannot be fetched fails at start-up with resolve()'s message; a hub repository
   whose config.json is no head is not fetched further: left to vLLM without a method, refused
   with method "treedraft";
-* served as `dynamic:8,3,3` trees, its greedy output is identical to vLLM without speculation
-  (random weights: few drafts accepted; drafts were made, branching ones).
+* every published config in tests/fixtures/eagle3 (SpecForge's flat ones and a speculators-format
+  one), shaped the same way, served as `dynamic:8,3,3` trees: its greedy output is identical to
+  vLLM without speculation (random weights: few drafts accepted; drafts were made, branching
+  ones).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import save_file
-from test_speculators import FIXTURES, flat_weights, hub_cache
+from test_speculators import FIXTURE_NAMES, FIXTURES, flat_weights, hub_cache
 
 pytestmark = pytest.mark.vllm
 
@@ -36,19 +38,31 @@ def target() -> str:
     return str(resolve_model("smollm2-135m"))
 
 
-@pytest.fixture(scope="module")
-def flat_head(tmp_path_factory) -> Path:
-    """SpecForge's Llama-3.1-70B EAGLE-3 config (flat layout, llama3 rope scaling) with
-    SmolLM2's dims, random weights."""
-    cfg = json.loads((FIXTURES / "specforge-llama3-70b" / "config.json").read_text())
-    cfg.update(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-               intermediate_size=256, vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB)
-    out = tmp_path_factory.mktemp("specforge") / "smollm2-eagle3"
+def _smollm2_shaped(name: str, root: Path) -> Path:
+    """The published config `name` (tests/fixtures/eagle3) with SmolLM2's dims and random
+    weights, every other field as published; a speculators config is shaped in its
+    `transformer_layer_config` (the draft vocabulary stays top-level)."""
+    cfg = json.loads((FIXTURES / name / "config.json").read_text())
+    dims = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                intermediate_size=256, vocab_size=VOCAB)
+    if "speculators_model_type" in cfg:
+        cfg["transformer_layer_config"].update(dims)
+    else:
+        cfg.update(dims)
+    cfg["draft_vocab_size"] = DRAFT_VOCAB
+    out = root / name
     out.mkdir()
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     save_file(flat_weights(h=576, v=VOCAB, vd=DRAFT_VOCAB, q=576, kv=192, inter=256),
               str(out / "model.safetensors"))
     return out
+
+
+@pytest.fixture(scope="module")
+def flat_head(tmp_path_factory) -> Path:
+    """SpecForge's Llama-3.1-70B EAGLE-3 config (flat layout, llama3 rope scaling) with
+    SmolLM2's dims, random weights."""
+    return _smollm2_shaped("specforge-llama3-70b", tmp_path_factory.mktemp("specforge"))
 
 
 def _engine_config(target: str, spec: dict):
@@ -100,7 +114,7 @@ def test_flat_folder_and_hub_id_become_the_tree_proposer(flat_head, target, tmp_
 
 
 @pytest.mark.slow
-def test_flat_eagle3_head_trees_are_exact_in_vllm(flat_head, target, tmp_path):
+def test_published_eagle3_heads_trees_are_exact_in_vllm(target, tmp_path):
     from engine_host import run_engines
     from transformers import AutoTokenizer
 
@@ -111,14 +125,17 @@ def test_flat_eagle3_head_trees_are_exact_in_vllm(flat_head, target, tmp_path):
     prompts = [encode_chat(tok, first_turn(m))
                for m in load_prompts("mtbench", limit=4)["messages"]]
     job = {"name": "greedy", "prompts": prompts, "params": {"temperature": 0, "max_tokens": 32}}
-    # both engines in one process, no speculation first (tests/engine_host.py)
-    runs = run_engines({name: {"target": target, "spec": spec, "jobs": [job]}
-                        for name, spec in (("base", None),
-                                           ("tree", {"model": str(flat_head), "tree": TREE}))},
-                       env={"TREEDRAFT_CACHE": str(tmp_path / "cache")})
-    base, tree = runs["base"][0]["greedy"], runs["tree"][0]["greedy"]
-    assert "TreeDraftProposer" in runs["tree"][1], runs["tree"][1][-3000:]
-    assert all(0 < len(t) <= 32 for t in tree["tokens"])
-    assert tree["tokens"] == base["tokens"]
-    spec = tree["spec"]
-    assert spec["drafts"] > 0 and spec["draft_tokens"] > spec["drafts"], spec  # trees drafted
+    heads = {name: _smollm2_shaped(name, tmp_path) for name in FIXTURE_NAMES}
+    # every engine in one process, no speculation first (tests/engine_host.py)
+    engines = {"base": {"target": target, "spec": None, "jobs": [job]}}
+    engines.update({name: {"target": target, "spec": {"model": str(head), "tree": TREE},
+                           "jobs": [job]} for name, head in heads.items()})
+    runs = run_engines(engines, env={"TREEDRAFT_CACHE": str(tmp_path / "cache")})
+    base = runs["base"][0]["greedy"]
+    for name in heads:
+        tree, log = runs[name][0]["greedy"], runs[name][1]
+        assert "TreeDraftProposer" in log, (name, log[-3000:])
+        assert all(0 < len(t) <= 32 for t in tree["tokens"]), name
+        assert tree["tokens"] == base["tokens"], name
+        spec = tree["spec"]
+        assert spec["drafts"] > 0 and spec["draft_tokens"] > spec["drafts"], (name, spec)
