@@ -30,9 +30,10 @@ import sys
 import tempfile
 import threading
 
+from vllm_run import INPROC
+
 from treedraft.scripts.engine import PROGRESS, RESULT, _drain, engine_env
 
-INPROC = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # vLLM's engine core and worker in-process
 ENGINE = "TREEDRAFT_ENGINE "  # the child's line before it builds each engine
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import save_file
-from test_speculators import FIXTURE_NAMES, FIXTURES, flat_weights, hub_cache
+from test_speculators import FIXTURE_NAMES, FIXTURES, flat_weights, hub_cache, reshaped
 
 pytestmark = pytest.mark.vllm
 
@@ -40,16 +40,10 @@ def target() -> str:
 
 def _smollm2_shaped(name: str, root: Path) -> Path:
     """The published config `name` (tests/fixtures/eagle3) with SmolLM2's dims and random
-    weights, every other field as published; a speculators config is shaped in its
-    `transformer_layer_config` (the draft vocabulary stays top-level)."""
-    cfg = json.loads((FIXTURES / name / "config.json").read_text())
-    dims = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                intermediate_size=256, vocab_size=VOCAB)
-    if "speculators_model_type" in cfg:
-        cfg["transformer_layer_config"].update(dims)
-    else:
-        cfg.update(dims)
-    cfg["draft_vocab_size"] = DRAFT_VOCAB
+    weights, every other field as published (test_speculators.reshaped)."""
+    cfg = reshaped(json.loads((FIXTURES / name / "config.json").read_text()),
+                   dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
+                        head_dim=64, intermediate_size=256, vocab_size=VOCAB), DRAFT_VOCAB)
     out = root / name
     out.mkdir()
     (out / "config.json").write_text(json.dumps(cfg, indent=2))

@@ -423,20 +423,23 @@ def test_published_config_reads_as_vllm_reads_it(name):
     assert cfg["draft_vocab_size"] == vllm["draft_vocab_size"]
 
 
+def reshaped(cfg: dict, dims: dict, draft_vocab: int) -> dict:
+    """The same config with the layer's `dims` (`head_dim` only where the config names one)
+    and a `draft_vocab`-token draft vocabulary; every structural field (rope scaling, norms,
+    layout) kept. A speculators config takes the dims in its `transformer_layer_config`; the
+    draft vocabulary is top-level in both formats."""
+    speculators = "speculators_model_type" in cfg
+    layer = dict(cfg["transformer_layer_config"] if speculators else cfg)
+    layer.update({k: v for k, v in dims.items() if k != "head_dim" or "head_dim" in layer})
+    out = {**cfg, "transformer_layer_config": layer} if speculators else layer
+    return {**out, "draft_vocab_size": draft_vocab}
+
+
 def _shrink(cfg: dict) -> dict:
     """The same config at test_heads' dims (H=32, 4 heads of 8, V=50, a 20-token draft
-    vocabulary); every structural field (rope scaling, norms, layout) kept. A speculators
-    config is shrunk in its `transformer_layer_config` (the draft vocabulary stays top-level)."""
-    if "speculators_model_type" in cfg:
-        layer = cfg["transformer_layer_config"]
-        tiny_layer = {k: v for k, v in _shrink(layer).items()
-                      if k != "draft_vocab_size" or k in layer}
-        return {**cfg, "draft_vocab_size": 20, "transformer_layer_config": tiny_layer}
-    tiny = {**cfg, "hidden_size": H, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "intermediate_size": 64, "vocab_size": V, "draft_vocab_size": 20}
-    if "head_dim" in cfg:
-        tiny["head_dim"] = 8
-    return tiny
+    vocabulary)."""
+    return reshaped(cfg, dict(hidden_size=H, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=8, intermediate_size=64, vocab_size=V), 20)
 
 
 def flat_weights(seed: int = 0, n_aux: int = 3, vd: int = 20, *, h: int = H, v: int = V,
