@@ -19,9 +19,12 @@ request's prefix and tree are read back from the paged cache and one masked
 `scaled_dot_product_attention` per layer runs for all of them, with the mask [ones(prefix) |
 ancestor_mask]. Chains keep the kernel's causal result.
 
-The cache interior depends on the kernel ISA; only the `vec` layout is read and copied here (per
-block and KV head: K transposed [D, block], then V [block, D]), so tree mode forces `vec` where
-vLLM would pick `amx` (bf16 on AMX CPUs) and refuses other layouts at startup.
+The cache interior depends on the kernel ISA (`vec`: per block and KV head K transposed
+[D, block], then V [block, D]; `amx`: both VNNI-packed in 16-slot tiles). Tree mode reads and copies
+slots through `SlotLayout`: where each slot's K/V elements sit inside a block, probed once per ISA
+from the kernel's own cache write, so every ISA vLLM picks is served with its own kernel (bf16 on
+AMX CPUs keeps `amx`). A layout the probe cannot map, or a quantized KV cache, is refused at
+startup.
 
 CUDA (designed, not run: CI has no GPU): the same chain sequences work with any causal paged
 kernel (FLASH_ATTN, triton_unified_attention): scratch blocks + a permuted query, no mask.
@@ -31,6 +34,7 @@ The KV copies in plugin/kv.py and here are layout-specific as well.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import torch
@@ -51,28 +55,97 @@ from .config import tree_mode
 CLASS_PATH = "treedraft.plugin.attention_cpu.TreeCPUAttentionBackend"
 
 
-def vec_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K [nb, Hkv, D, bs] and V [nb, Hkv, bs, D] views of a vec-layout cache [nb, Hkv, bs, 2D]."""
-    nb, h, bs, two_d = kv_cache.shape
-    flat = kv_cache.view(nb, h, 2, bs * (two_d // 2))
-    return flat[:, :, 0].view(nb, h, two_d // 2, bs), flat[:, :, 1].view(nb, h, bs, two_d // 2)
+class SlotLayout:
+    """Where the CPU kernel keeps each slot's K and V inside a block: `k_off`, `v_off` [bs, D]
+    are the offsets of (slot, dim) in a block's K half and V half of one KV head ([nb, Hkv, bs,
+    2D] viewed as [nb, Hkv, 2, bs * D], as CPU_ATTN splits it). Probed once per (ISA, block
+    size, head size, dtype) by writing the index of every (slot, dim) through the kernel's own
+    `cpu_attn_reshape_and_cache`, one base-16 digit per pass (exact in every float dtype)."""
+
+    def __init__(self, isa: str, block_size: int, head_size: int, dtype: torch.dtype) -> None:
+        bs, d, n = block_size, head_size, block_size * head_size
+        cache = torch.empty(1, 1, 2 * bs, d, dtype=dtype)
+        key_cache, value_cache = cache.chunk(2, dim=2)
+        index = torch.arange(n).view(bs, 1, d)  # (slot, dim) -> slot * D + dim
+        found = torch.zeros(2, n, dtype=torch.long)
+        digits = max(1, -(-(n - 1).bit_length() // 4))
+        for i in range(digits):
+            cache.fill_(-1)
+            digit = ((index >> (4 * i)) & 15).to(dtype)
+            ops.cpu_attn_reshape_and_cache(digit, digit, key_cache, value_cache,
+                                           torch.arange(bs), isa, k_scale=1.0, v_scale=1.0,
+                                           kv_cache_dtype="auto")
+            got = cache.view(2, n).float()
+            if (got < 0).any():  # an element the kernel never wrote
+                found[:] = -1
+                break
+            found += got.long() << (4 * i)
+        offs = []
+        for part in found:  # part[offset] = slot * D + dim
+            off = torch.full((n,), -1, dtype=torch.long)
+            if (part >= 0).all() and (part < n).all():
+                off[part] = torch.arange(n)
+            if (off < 0).any():
+                raise NotImplementedError(
+                    f"treedraft tree attention cannot map vLLM's CPU KV cache layout for ISA "
+                    f"{isa!r} (block size {bs}, head size {d}, {dtype}): its cache write is not "
+                    "one element per (slot, dim); use a chain tree ('chain:K')")
+            offs.append(off.view(bs, d))
+        self.isa, self.k_off, self.v_off = isa, offs[0], offs[1]
+
+    @staticmethod
+    def views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of a cache [nb, Hkv, bs, 2D] as [nb, bs * D, Hkv] views (block interior
+        first, KV heads last) that `k_off`/`v_off` index."""
+        nb, h, bs, two_d = kv_cache.shape
+        flat = kv_cache.view(nb, h, 2, bs * (two_d // 2))
+        return flat[:, :, 0].transpose(1, 2), flat[:, :, 1].transpose(1, 2)
+
+    def read(self, kv_cache: torch.Tensor, blocks: torch.Tensor, slots: torch.Tensor):
+        """K, V [*shape, D, Hkv] of the slots `slots` (offsets in the block) of blocks `blocks`
+        (both long, broadcast to one shape)."""
+        kc, vc = self.views(kv_cache)
+        b = blocks[..., None]
+        return kc[b, self.k_off[slots]], vc[b, self.v_off[slots]]
+
+    def copy(self, kv_cache: torch.Tensor, src_block, src_slot, dst_block, dst_slot) -> None:
+        """K/V of (src_block, src_slot) to (dst_block, dst_slot), every KV head: one gather, then
+        one scatter (see tree_kernel.copy_slots for when that equals copying in order)."""
+        kc, vc = self.views(kv_cache)
+        sb, db = src_block[:, None], dst_block[:, None]
+        kc[db, self.k_off[dst_slot]] = kc[sb, self.k_off[src_slot]]
+        vc[db, self.v_off[dst_slot]] = vc[sb, self.v_off[src_slot]]
+
+    def copy_slots(self, kv_cache: torch.Tensor, src, dst) -> None:
+        """K/V of slots `src` to slots `dst` (slot = block * block_size + offset)."""
+        src, dst = torch.as_tensor(src, dtype=torch.long), torch.as_tensor(dst, dtype=torch.long)
+        if src.numel():
+            bs = kv_cache.shape[2]
+            self.copy(kv_cache, src // bs, src % bs, dst // bs, dst % bs)
 
 
-def gather_blocks(kv_cache: torch.Tensor, blocks: torch.Tensor, length: int):
+@functools.cache
+def _slot_layout(isa: str, block_size: int, head_size: int, dtype: torch.dtype) -> SlotLayout:
+    return SlotLayout(isa, block_size, head_size, dtype)
+
+
+def slot_layout(kv_cache: torch.Tensor, isa: str) -> SlotLayout:
+    """The `SlotLayout` of one layer's cache [nb, Hkv, bs, 2D] written with `isa`."""
+    return _slot_layout(isa, kv_cache.shape[2], kv_cache.shape[3] // 2, kv_cache.dtype)
+
+
+def gather_blocks(kv_cache: torch.Tensor, layout: SlotLayout, blocks: torch.Tensor, length: int):
     """K, V [B, Hkv, length, D] of slots 0..length-1 of B requests whose block-table rows
-    are `blocks` [B, nblk] (vec layout)."""
-    kc, vc = vec_views(kv_cache)  # [nb, Hkv, D, bs], [nb, Hkv, bs, D]
-    B, nblk = blocks.shape
-    h, d, bs = kc.shape[1], kc.shape[2], kc.shape[3]
-    k = kc[blocks].permute(0, 2, 1, 4, 3).reshape(B, h, nblk * bs, d)[:, :, :length]
-    v = vc[blocks].permute(0, 2, 1, 3, 4).reshape(B, h, nblk * bs, d)[:, :, :length]
-    return k, v
-
-
-def gather_kv(kv_cache: torch.Tensor, block_row: torch.Tensor, length: int):
-    """K, V [Hkv, length, D] of positions 0..length-1 of one request (vec layout)."""
+    are `blocks` [B, nblk]."""
     bs = kv_cache.shape[2]
-    k, v = gather_blocks(kv_cache, block_row[None, : (length + bs - 1) // bs].long(), length)
+    pos = torch.arange(length)
+    k, v = layout.read(kv_cache, blocks.long()[:, pos // bs], pos % bs)  # [B, length, D, Hkv]
+    return k.permute(0, 3, 1, 2), v.permute(0, 3, 1, 2)
+
+
+def gather_kv(kv_cache: torch.Tensor, layout: SlotLayout, block_row: torch.Tensor, length: int):
+    """K, V [Hkv, length, D] of positions 0..length-1 of one request."""
+    k, v = gather_blocks(kv_cache, layout, block_row[None], length)
     return k[0], v[0]
 
 
@@ -81,15 +154,17 @@ class TreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         if not tree_mode(vllm_config):
             return
-        if self.isa == "amx":  # packed layout; vec is what tree attention can read back
+        if self.kv_cache_dtype not in ("auto", None):
+            raise NotImplementedError(
+                f"treedraft tree attention copies K/V between cache slots, which a quantized "
+                f"CPU KV cache (kv_cache_dtype={self.kv_cache_dtype!r}) does not allow; use "
+                f"kv_cache_dtype='auto' or a chain tree ('chain:K')")
+        if self.force_vec and self.isa != "vec":
             self.isa = "vec"
             self._set_isa_to_layers(layer_names)
-        if self.isa != "vec" or self.kv_cache_dtype not in ("auto", None):
-            raise NotImplementedError(
-                f"treedraft tree attention reads the CPU KV cache in the 'vec' layout, but this "
-                f"model uses ISA {self.isa!r} with kv_cache_dtype={self.kv_cache_dtype!r} (head "
-                f"size {self.head_dim}); use a chain tree ('chain:K') or kv_cache_dtype='auto'"
-            )
+        _slot_layout(self.isa, self.block_size, self.head_dim, self.dtype)  # refuses at startup
+
+    force_vec = False  # True: always the `vec` ISA (the torch twin of the CUDA path reads it)
 
 
 class TreeCPUAttentionBackendImpl(CPUAttentionBackendImpl):
@@ -110,7 +185,8 @@ class TreeCPUAttentionBackendImpl(CPUAttentionBackendImpl):
         step.tree_layers += 1
         seqs = step.seqs(attn_metadata, kv_cache.shape[2])
         meta = seqs.metadata(self, layer, query.dtype)
-        seqs.copy_kv(kv_cache)
+        layout = slot_layout(kv_cache, layer.isa)
+        seqs.copy_kv(kv_cache, layout)
         n = attn_metadata.num_actual_tokens
         q, o = query, output
         if seqs.perm is not None:  # each chain's rows contiguous, in depth order
@@ -122,7 +198,7 @@ class TreeCPUAttentionBackendImpl(CPUAttentionBackendImpl):
             output[:n].index_copy_(0, seqs.perm, o)
         if seqs.leftover:  # no scratch left for these: torch recomputation of their rows
             batch = seqs.batch(attn_metadata.block_table, kv_cache.shape[2])
-            k, v = batch.gather(kv_cache)  # [B, Hkv, S, D] every tree's prefix + tree slots
+            k, v = batch.gather(kv_cache, layout)  # [B, Hkv, S, D] every tree's prefix + tree slots
             q = query.reshape(query.shape[0], self.num_heads, self.head_size)[batch.q_rows]
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=batch.mask,
                                                scale=self.scale, enable_gqa=True)
@@ -215,15 +291,12 @@ class TreeSeqs:
                 max_query_len=int(diff.max()), max_seq_len=int(self.seq_lens.max()))
         return self._meta
 
-    def copy_kv(self, kv_cache: torch.Tensor) -> None:
-        """This layer's prefix tails and chains into the scratch blocks (vec layout)."""
+    def copy_kv(self, kv_cache: torch.Tensor, layout: SlotLayout) -> None:
+        """This layer's prefix tails and chains into the scratch blocks."""
         if len(self.tail_src):
             kv_cache.index_copy_(0, self.tail_dst, kv_cache.index_select(0, self.tail_src))
-        if not len(self.src_block):
-            return
-        kc, vc = vec_views(kv_cache)  # [nb, Hkv, D, bs], [nb, Hkv, bs, D]
-        kc[self.dst_block, :, :, self.dst_off] = kc[self.src_block, :, :, self.src_off]
-        vc[self.dst_block, :, self.dst_off, :] = vc[self.src_block, :, self.src_off, :]
+        if len(self.src_block):
+            layout.copy(kv_cache, self.src_block, self.src_off, self.dst_block, self.dst_off)
 
     def batch(self, block_table: torch.Tensor, block_size: int):
         """The leftover trees as one torch attention batch (`TreeBatch`), built once."""
@@ -258,10 +331,10 @@ class TreeBatch:
             self.row_valid[b, : t.size] = True
         self.out_rows = self.q_rows[self.row_valid]  # output rows, in o[row_valid] order
 
-    def gather(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [B, Hkv, S, D] of slots 0..S-1 of each tree's request (vec layout), zero where
-        a slot is past the request's prefix + tree."""
-        k, v = gather_blocks(kv_cache, self.blocks, self.S)
+    def gather(self, kv_cache: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [B, Hkv, S, D] of slots 0..S-1 of each tree's request, zero where a slot is past
+        the request's prefix + tree."""
+        k, v = gather_blocks(kv_cache, layout, self.blocks, self.S)
         return k.masked_fill(~self.kv_valid, 0), v.masked_fill(~self.kv_valid, 0)
 
 

@@ -194,17 +194,22 @@ def __getattr__(name: str) -> Any:  # the registry resolves "treedraft.plugin.at
 
 @functools.cache
 def cpu_kernel_backend() -> type:
-    """CPU_ATTN's tree subclass (vec layout, the ISA check) with this mixin instead of its
-    chain cover, running the torch twin: CPU engines exercise the CUDA path's wrapper."""
+    """CPU_ATTN's tree subclass with this mixin instead of its chain cover, running the torch
+    twin on the `vec` layout (its builder forces that ISA): CPU engines exercise the CUDA path's
+    wrapper."""
     from .attention_cpu import TreeCPUAttentionBackend
 
     base = TreeCPUAttentionBackend.get_impl_cls().__mro__[1]  # the stock CPU impl
     impl = type("TreeKernelCPUAttentionImpl", (TreeImplMixin, base),
                 {"__module__": __name__, "__qualname__": "TreeCPUKernelBackend.tree_impl_cls",
                  "tree_impl": "torch", "kv_layout": "vec"})
+    builder = type("TreeKernelCPUMetadataBuilder", (TreeCPUAttentionBackend.get_builder_cls(),),
+                   {"__module__": __name__, "force_vec": True,
+                    "__qualname__": "TreeCPUKernelBackend.tree_builder_cls"})
     return type("TreeCPUKernelBackend", (TreeCPUAttentionBackend,), {
-        "__module__": __name__, "tree_impl_cls": impl,
-        "get_impl_cls": staticmethod(lambda: impl)})
+        "__module__": __name__, "tree_impl_cls": impl, "tree_builder_cls": builder,
+        "get_impl_cls": staticmethod(lambda: impl),
+        "get_builder_cls": staticmethod(lambda: builder)})
 
 
 def kernel_mode_on_cpu() -> bool:

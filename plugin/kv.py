@@ -9,9 +9,10 @@ Copying in increasing j is hazard-free: a_j >= j, and later sources a_m > a_j > 
 overwritten. Rejected slots need no release: they lie beyond the rolled-back length and are
 rewritten by later steps, as with vLLM's own rejected drafts.
 
-Every layout (the CPU cache `vec`, vLLM's CUDA cache `flash` in any physical stride order) is
-copied by one gather and one scatter per layer on its K/V views (`tree_kernel.copy_slots`),
-equal to the ordered copies by the hazard argument above.
+Every layout is copied by one gather and one scatter per layer, equal to the ordered copies by
+the hazard argument above: vLLM's CUDA cache (`flash`, any physical stride order) on its K/V
+views (`tree_kernel.copy_slots`), the CPU cache in the layout of the ISA its layer was given
+(`attention_cpu.SlotLayout`: `vec`, `amx`, ...).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import torch
 from . import tree_kernel
 
 
-def attention_caches(runner) -> list[torch.Tensor]:
-    """The target's KV cache tensors, one per attention layer (deduplicated)."""
+def attention_caches(runner) -> list[tuple[torch.Tensor, str | None]]:
+    """(KV cache, CPU attention ISA or None) of the target's attention layers, one per cache
+    tensor (deduplicated)."""
     seen, out = set(), []
     for ctx in runner.compilation_config.static_forward_context.values():
         kv = getattr(ctx, "kv_cache", None)
@@ -30,7 +32,7 @@ def attention_caches(runner) -> list[torch.Tensor]:
             kv = kv[0] if kv else None
         if isinstance(kv, torch.Tensor) and kv.numel() and kv.data_ptr() not in seen:
             seen.add(kv.data_ptr())
-            out.append(kv)
+            out.append((kv, getattr(ctx, "isa", None)))
     return out
 
 
@@ -45,15 +47,20 @@ def compact_accepted(runner, step) -> int:
                 moves_src.append(int(slot_mapping[req.qs + a]))
                 moves_dst.append(int(slot_mapping[req.qs + j]))
     if moves_src:
-        for kv in attention_caches(runner):
-            copy_kv_slots(kv, moves_src, moves_dst)
+        for kv, isa in attention_caches(runner):
+            copy_kv_slots(kv, moves_src, moves_dst, isa)
     return len(moves_src)
 
 
 def copy_kv_slots(kv_cache: torch.Tensor, src: list[int], dst: list[int],
-                  layout: str | None = None) -> None:
-    """K/V of slots `src` to slots `dst` in one layer's cache [nb, Hkv, bs, 2D]; layout
-    None: the CPU `vec` layout on CPU, vLLM's CUDA (`flash`) layout elsewhere."""
-    layout = layout or ("vec" if kv_cache.device.type == "cpu" else "flash")
-    k, v = tree_kernel.kv_views(kv_cache, kv_cache.shape[-1] // 2, layout)
+                  isa: str | None = None) -> None:
+    """K/V of slots `src` to slots `dst` in one layer's cache [nb, Hkv, bs, 2D]: a CPU cache in
+    the layout vLLM's CPU kernel writes for its layer's `isa`; isa None (CUDA layers have none)
+    vLLM's CUDA (`flash`) layout."""
+    if isa is not None:
+        from .attention_cpu import slot_layout  # imports vLLM's CPU backend: CPU only
+
+        slot_layout(kv_cache, isa).copy_slots(kv_cache, src, dst)
+        return
+    k, v = tree_kernel.kv_views(kv_cache, kv_cache.shape[-1] // 2, "flash")
     tree_kernel.copy_slots(k, v, src, dst)

@@ -386,35 +386,33 @@ def test_flash_compaction_equals_ordered_copies(order):
     want = kv.clone()
     for s_, d_ in zip(src, dst, strict=True):
         want[d_ // bs, :, d_ % bs] = want[s_ // bs, :, s_ % bs]
-    copy_kv_slots(kv, src, dst, layout="flash")
+    copy_kv_slots(kv, src, dst)  # no ISA: the CUDA layout
     assert torch.equal(kv, want)
 
 
 def _ordered_vec_copies(kv_cache: torch.Tensor, src: list[int], dst: list[int]) -> None:
     """K/V of slots `src` to slots `dst` one slot at a time, in order (vec layout)."""
-    from treedraft.plugin.attention_cpu import vec_views
-
-    kc, vc = vec_views(kv_cache)
-    bs = kc.shape[-1]
+    kc, vc = tk.kv_views(kv_cache, kv_cache.shape[-1] // 2, "vec")  # [nb, Hkv, bs, D]
+    bs = kc.shape[2]
     for s, d in zip(src, dst, strict=True):
-        kc[d // bs, :, :, d % bs] = kc[s // bs, :, :, s % bs]
-        vc[d // bs, :, d % bs, :] = vc[s // bs, :, s % bs, :]
+        kc[d // bs, :, d % bs] = kc[s // bs, :, s % bs]
+        vc[d // bs, :, d % bs] = vc[s // bs, :, s % bs]
 
 
 def test_vec_compaction_equals_ordered_slot_copies():
     from treedraft.plugin.kv import compact_accepted
 
-    kv = torch.randn(5, 2, 4, 16)
+    kv = torch.randn(3, 2, 32, 64)  # a shape the CPU kernel has (its layout is probed)
     runner = SimpleNamespace(
         input_batch=SimpleNamespace(block_table=SimpleNamespace(block_tables=[
-            SimpleNamespace(slot_mapping=SimpleNamespace(cpu=torch.arange(8) + 1))])),
+            SimpleNamespace(slot_mapping=SimpleNamespace(cpu=torch.arange(8) + 29))])),
         compilation_config=SimpleNamespace(static_forward_context={
-            "l0": SimpleNamespace(kv_cache=[kv])}))
+            "l0": SimpleNamespace(kv_cache=[kv], isa="vec")}))
     step = tree_step.TreeStep(8, {0: tree_step.TreeRequest(0, "r", 1, 0, [0] * 6,
                                                           [-1, 0, 0, 1, 1, 2], [0] * 6, False)})
-    step.accepted = {"r": [2, 5]}  # rows qs + 2, qs + 5 (slots 4, 7) -> rows qs + 1, 2 (3, 4)
+    step.accepted = {"r": [2, 5]}  # rows qs + 2, qs + 5 (slots 32, 35) -> qs + 1, 2 (31, 32)
     want = kv.clone()
-    _ordered_vec_copies(want, [4, 7], [3, 4])
+    _ordered_vec_copies(want, [32, 35], [31, 32])
     assert compact_accepted(runner, step) == 2
     assert torch.equal(kv, want)
 

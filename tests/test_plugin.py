@@ -209,27 +209,74 @@ def test_head_linears_run_on_vllms_cpu_gemm(fast_bf16):
     assert logp[0].argmax() == logp[1].argmax()
 
 
-def _impl_and_cache(Hq=9, Hkv=3, D=64, nb=16, bs=32):
+# The CPU kernel's cache layouts: `vec` everywhere, `amx` (what vLLM picks for bf16 on AMX CPUs)
+# where the CPU has AMX; the AMX kernel reads bf16 only.
+ISAS = [pytest.param("vec", torch.float32, id="vec"),
+        pytest.param("amx", torch.bfloat16, id="amx", marks=pytest.mark.skipif(
+            not torch.cpu._is_amx_tile_supported(), reason="no AMX on this CPU"))]
+
+
+def _impl_and_cache(Hq=9, Hkv=3, D=64, nb=16, bs=32, isa="vec", dtype=torch.float32):
     from vllm.config import set_current_vllm_config
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata  # noqa: F401
 
     from treedraft.plugin.attention_cpu import TreeCPUAttentionBackendImpl
 
+    _load_vllm_ops()
     with set_current_vllm_config(_engine_config(None)):
         impl = TreeCPUAttentionBackendImpl(Hq, D, D**-0.5, Hkv, None, None, "auto")
-    kv = torch.zeros(nb, Hkv, bs, 2 * D)
-    layer = SimpleNamespace(isa="vec", _k_scale_float=1.0, _v_scale_float=1.0)
+    kv = torch.zeros(nb, Hkv, bs, 2 * D, dtype=dtype)
+    layer = SimpleNamespace(isa=isa, _k_scale_float=1.0, _v_scale_float=1.0)
     return impl, kv, layer
 
 
+def test_slot_layouts_are_what_the_kernel_writes():
+    """The probed layouts equal their definitions: `vec` per block and KV head K transposed
+    [D, bs] then V [bs, D]; `amx` (where the CPU has it) K in 16-slot tiles of dim pairs
+    [bs/16][D/2][16][2], V in 16-dim tiles of slot pairs [D/16][bs/2][16][2]."""
+    from treedraft.plugin.attention_cpu import slot_layout
+
+    _load_vllm_ops()
+    bs, D = 64, 96
+    s, d = torch.meshgrid(torch.arange(bs), torch.arange(D), indexing="ij")
+    vec = slot_layout(torch.empty(1, 1, bs, 2 * D), "vec")
+    assert torch.equal(vec.k_off, d * bs + s) and torch.equal(vec.v_off, s * D + d)
+    if torch.cpu._is_amx_tile_supported():
+        amx = slot_layout(torch.empty(1, 1, bs, 2 * D, dtype=torch.bfloat16), "amx")
+        assert torch.equal(amx.k_off, (s // 16) * 16 * D + (d // 2) * 32 + (s % 16) * 2 + d % 2)
+        assert torch.equal(amx.v_off, (d // 16) * bs * 16 + (s // 2) * 32 + (d % 16) * 2 + s % 2)
+
+
+def test_a_layout_the_probe_cannot_map_is_refused(monkeypatch):
+    """A cache write that leaves an element unwritten (here: the last token lands on slot 0)
+    has no slot layout: refused with a message, never served with a guessed layout."""
+    from vllm import _custom_ops as ops
+
+    from treedraft.plugin import attention_cpu
+
+    _load_vllm_ops()
+    real = ops.cpu_attn_reshape_and_cache
+
+    def lossy(key, value, key_cache, value_cache, slot_mapping, isa, **kw):
+        slot_mapping = slot_mapping.clone()
+        slot_mapping[-1] = 0
+        real(key, value, key_cache, value_cache, slot_mapping, isa, **kw)
+
+    monkeypatch.setattr(ops, "cpu_attn_reshape_and_cache", lossy)
+    with pytest.raises(NotImplementedError, match="cannot map vLLM's CPU KV cache layout"):
+        attention_cpu.SlotLayout("vec", 32, 64, torch.float32)
+
+
+@pytest.mark.parametrize("isa,dtype", ISAS)
 @pytest.mark.parametrize("scratch", [range(14, 20), range(17, 20), range(0)],
                          ids=["kernel", "kernel+torch", "torch"])
-def test_tree_rows_attend_to_prefix_and_ancestors_only(scratch):
+def test_tree_rows_attend_to_prefix_and_ancestors_only(scratch, isa, dtype):
     """Chains keep the kernel's causal rows; every tree's rows (two trees of different prefix and
     tree sizes) see their prefix and ancestors only, whatever the unused cache slots hold (NaN
     here): through the kernel as causal chains in scratch blocks (both trees fit), the kernel for
     one tree and torch for the other (scratch for one only), or torch for both (no scratch).
-    The second tree's chain crosses into a second scratch block."""
+    The second tree's chain crosses into a second scratch block. In every cache layout the
+    kernel has: the scratch copies are read by the kernel itself."""
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
 
@@ -238,7 +285,7 @@ def test_tree_rows_attend_to_prefix_and_ancestors_only(scratch):
 
     torch.manual_seed(0)
     Hq, Hkv, D, bs = 9, 3, 64, 32
-    impl, kv, layer = _impl_and_cache(Hq, Hkv, D, nb=20, bs=bs)
+    impl, kv, layer = _impl_and_cache(Hq, Hkv, D, nb=20, bs=bs, isa=isa, dtype=dtype)
     # request 0: a chain of 3 drafts at root position 40; requests 1, 2: trees at 70 and 30
     trees = {1: [-1, 0, 0, 1, 2, 1, 3], 2: [-1, 0, 0, 2]}
     P = [40, 70, 30]
@@ -253,18 +300,18 @@ def test_tree_rows_attend_to_prefix_and_ancestors_only(scratch):
         L = P[r] + n_rows[r]
         pos = torch.arange(L)
         slots = (blocks[r][pos // bs] * bs + pos % bs).long()
-        K.append(torch.randn(L, Hkv, D))
-        V.append(torch.randn(L, Hkv, D))
+        K.append(torch.randn(L, Hkv, D).to(dtype))
+        V.append(torch.randn(L, Hkv, D).to(dtype))
         impl.do_kv_cache_update(layer, K[r], V[r], kv, slots)
         slots_all.append(slots)
-    q = torch.randn(sum(n_rows), Hq, D)
+    q = torch.randn(sum(n_rows), Hq, D).to(dtype)
     qs = [0, n_rows[0], n_rows[0] + n_rows[1]]
     qsl = torch.tensor([*qs, sum(n_rows)], dtype=torch.int32)
     seq_lens = torch.tensor([P[r] + n_rows[r] for r in range(3)], dtype=torch.int32)
     md = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=3, num_heads=Hq, num_kv_heads=Hkv, head_dim=D, seq_lens=seq_lens,
-        dtype=torch.float32, query_start_loc=qsl, causal=True, sliding_window_size=-1,
-        isa="vec", enable_kv_split=False)
+        dtype=dtype, query_start_loc=qsl, causal=True, sliding_window_size=-1,
+        isa=isa, enable_kv_split=False)
     meta = CPUAttentionMetadata(num_actual_tokens=sum(n_rows), max_query_len=max(n_rows),
                                 query_start_loc=qsl, max_seq_len=int(seq_lens.max()),
                                 seq_lens=seq_lens, block_table=block_table,
@@ -293,9 +340,10 @@ def test_tree_rows_attend_to_prefix_and_ancestors_only(scratch):
         for i in range(len(parents)):  # node i: keys of the prefix and of its ancestors
             keys = list(range(P[r])) + [P[r] + a for a in anc[i]]
             ref = F.scaled_dot_product_attention(
-                q[qs[r] + i][:, None], K[r][keys].transpose(0, 1), V[r][keys].transpose(0, 1),
-                scale=D**-0.5, enable_gqa=True)[:, 0]
-            torch.testing.assert_close(out[qs[r] + i], ref, atol=2e-5, rtol=1e-4)
+                q[qs[r] + i][:, None].float(), K[r][keys].transpose(0, 1).float(),
+                V[r][keys].transpose(0, 1).float(), scale=D**-0.5, enable_gqa=True)[:, 0]
+            tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(out[qs[r] + i].float(), ref, **tol)
     assert not torch.allclose(out[qs[1] + 2], causal[qs[1] + 2])  # the mask mattered
     assert not torch.allclose(out[qs[2] + 3], causal[qs[2] + 3])
     seqs = step.seqs(meta, bs)
@@ -345,25 +393,28 @@ def test_chain_cover_gives_each_node_its_ancestors_once():
                                                        ([0], [2, 4])])
 
 
-def test_copy_slots_moves_accepted_kv_to_sequential_slots():
-    from treedraft.plugin.attention_cpu import gather_kv
+@pytest.mark.parametrize("isa,dtype", ISAS)
+def test_copy_slots_moves_accepted_kv_to_sequential_slots(isa, dtype):
+    """K/V written by vLLM's own cache op read back exactly through the layout, and the
+    accepted path's copies land where a chain over it would have written."""
+    from treedraft.plugin.attention_cpu import gather_kv, slot_layout
     from treedraft.plugin.kv import copy_kv_slots
 
     torch.manual_seed(1)
-    _, kv, layer = _impl_and_cache()
-    impl, _, _ = _impl_and_cache()
+    impl, kv, layer = _impl_and_cache(isa=isa, dtype=dtype)
+    layout = slot_layout(kv, isa)
     block_row = torch.tensor([3, 0, 5], dtype=torch.int32)
     L = 80
     pos = torch.arange(L)
     slots = (block_row[pos // 32].long() * 32 + pos % 32)
-    K, V = torch.randn(L, 3, 64), torch.randn(L, 3, 64)
+    K, V = torch.randn(L, 3, 64).to(dtype), torch.randn(L, 3, 64).to(dtype)
     impl.do_kv_cache_update(layer, K, V, kv, slots)
-    k, v = gather_kv(kv, block_row, L)
+    k, v = gather_kv(kv, layout, block_row, L)
     assert torch.equal(k, K.transpose(0, 1)) and torch.equal(v, V.transpose(0, 1))
     root, accepted = 60, [2, 5, 9]  # node a_j -> position root + j
     copy_kv_slots(kv, [int(slots[root + a]) for a in accepted],
-                  [int(slots[root + j]) for j in range(1, 4)])
-    k2, v2 = gather_kv(kv, block_row, L)
+                  [int(slots[root + j]) for j in range(1, 4)], isa)
+    k2, v2 = gather_kv(kv, layout, block_row, L)
     for j, a in enumerate(accepted, start=1):
         assert torch.equal(k2[:, root + j], K[root + a])
         assert torch.equal(v2[:, root + j], V[root + a])

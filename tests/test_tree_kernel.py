@@ -357,19 +357,22 @@ def test_copy_slots_equals_sequential_copies(layout):
 @pytest.mark.vllm
 def test_twin_matches_cpu_backend_path():
     """The twin == attention_cpu's torch recomputation (TreeBatch + masked SDPA) on one step."""
-    from treedraft.plugin.attention_cpu import TreeBatch
+    from vllm.platforms import current_platform
+
+    from treedraft.plugin.attention_cpu import TreeBatch, slot_layout
     from treedraft.plugin.tree_step import TreeRequest
 
-    bs = 16
+    current_platform.import_kernels()  # the layout is probed through vLLM's cache op
+    bs = 32  # a block and head size the CPU kernel has
     trees = list(zip(P6(bs), SHAPES, strict=True))
-    s = make_step(trees, layout="vec", g=4, hkv=2, d=16, bs=bs, write_tree_slots=True)
+    s = make_step(trees, layout="vec", g=4, hkv=2, d=32, bs=bs, write_tree_slots=True)
     reqs = []
     for qs, P, par, r in s.trees:
         mask = torch.ones(len(par), P + len(par), dtype=torch.bool)
         mask[:, P:] = tree_buffers(par).ancestor_mask
         reqs.append(TreeRequest(r, f"r{r}", qs, P, [0] * len(par), par, [], False, mask))
     batch = TreeBatch(reqs, s.block_table, bs)
-    k, v = batch.gather(s.kv)
+    k, v = batch.gather(s.kv, slot_layout(s.kv, "vec"))
     q = s.query[batch.q_rows]
     o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=batch.mask,
                                        scale=s.scale, enable_gqa=True)
