@@ -91,7 +91,7 @@ class SlotLayout:
                     f"{isa!r} (block size {bs}, head size {d}, {dtype}): its cache write is not "
                     "one element per (slot, dim); use a chain tree ('chain:K')")
             offs.append(off.view(bs, d))
-        self.isa, self.k_off, self.v_off = isa, offs[0], offs[1]
+        self.k_off, self.v_off = offs
 
     @staticmethod
     def views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
