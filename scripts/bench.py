@@ -10,13 +10,14 @@ rejection sampler) and treedraft trees, side by side in one invocation.
     treedraft bench --waves ...      # waves of batch-size requests instead of a queue
     treedraft bench --prompts mtbench,humaneval --by-category ...   # τ per MT-bench category
 
-Each configuration runs in its own engine process (scripts/engine.py) over MT-bench first turns,
-for every batch size and temperature: by default a queue (below) at least 4 batches deep (with
-one prompt group, prompts are cycled to fill it), after an untimed warm-up of each job's shape
-at 32 tokens per request (`warmup_jobs`: the engine's code paths and row counts warm, `auto`'s
+Each configuration runs in its own engine process (scripts/engine.py's `Engine`, as `vllm serve`
+runs one), all of them up at once, over MT-bench first turns for every batch size and
+temperature: by default a queue (below) at least 4 batches deep (with one prompt group, prompts
+are cycled to fill it). Every engine first runs an untimed warm-up of each job's shape at 32
+tokens per request (`warmup_jobs`: the engine's code paths and row counts warm, `auto`'s
 measurements begun, as in a server that has been running; `--no-warmup` times from the first
-request). A progress bar per configuration shows which one runs, tokens so far and an
-estimate of what is left of the whole run. Writes OUT/bench.json (tokens/s, TPOT, mean
+request); then the engines take turns on each job (`run_order`, below). One progress bar shows
+which engine and job run, tokens so far and an estimate of what is left. Writes OUT/bench.json (tokens/s, TPOT, mean
 acceptance length, per-depth acceptance, speedup vs no-spec per row, the machine), OUT/bench.md
 (the table and `speedup_chart`, the speedups as text bars) and two PNG plots (speedup vs batch
 size; acceptance per depth); prints the table
@@ -38,12 +39,15 @@ several prompt groups each prompt runs once and a group smaller than the batch r
 smaller wave: the batch column then says `8 (≤3)`); TPOT is then wave wall time / the wave's
 longest output.
 
-`--rounds N` (default 2): the configurations run N times, in alternating order (A B C, C B A, A B C, ...),
-so that a machine whose speed drifts over minutes (a shared CPU: two no-spec engines run
-back to back differed by 7 %) slows every configuration alike; each row then holds the median
-tokens/s over the rounds and the median of the per-round speedups (each against the baseline
-of its own round), with their range (`speedup_range`, shown in the table as `1.02x
-(0.97-1.05)`) and every round's figures (`round_tokens_per_s`); `merge_rounds`.
+`--rounds N` (default 2): every job runs N times in a row, each time on every engine in turn,
+the order alternating (A B C, C B A, A B C, ...; `run_order`). A 2-core machine's speed
+drifts by 10-30 % over minutes (two no-spec engines run back to back differed by 7 %); here a
+configuration's run of a job is at most a few minutes from the baseline's run of the same job,
+and every pair of rounds cancels a drift linear in time. Each row holds the median tokens/s
+over the rounds and the median of the per-round speedups (each against the baseline's run of
+the same job and round), with their range (`speedup_range`, shown in the table as `1.02x
+(0.97-1.05)`) and every round's figures (`round_tokens_per_s`); `merge_rounds`. The engines
+sit idle while another runs (on a GPU each gets 0.9 / n of its memory).
 
 `--profile`: every engine's worker times its step phases (plugin/profile.py: prepare, target
 forward, tree attention inside it, verification, KV compaction inside it, drafting, the rest);
@@ -243,9 +247,20 @@ PROFILE_COLUMNS = ("step", "forward", "tree_attention", "verify", "kv_compaction
                    "prepare", "other")
 
 
-def round_order(configs: tuple[str, ...], rounds: int) -> list[tuple[int, str]]:
-    """(round, config) in run order: the configurations forward, backward, forward, ..."""
-    return [(r, c) for r in range(rounds) for c in (configs if r % 2 == 0 else configs[::-1])]
+def run_order(configs: tuple[str, ...], jobs: list, rounds: int) -> list[tuple[int, object, str]]:
+    """(round, job, config) in run order: every job `rounds` times in a row, each time run by
+    every configuration in turn, the order alternating (A B C, C B A, A B C, ...), so that
+    every pair of rounds cancels a drift of the machine's speed that is linear in time, and
+    a configuration's round is minutes, not the whole run, from the baseline's."""
+    runs = [(r, j) for j in jobs for r in range(rounds)]
+    return [(r, j, c) for n, (r, j) in enumerate(runs)
+            for c in (configs if n % 2 == 0 else configs[::-1])]
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def merge_rounds(rows: list[dict], baseline: str) -> list[dict]:
@@ -432,50 +447,40 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
     return [speed, acc]
 
 
+def _planned_tokens(jobs: list[dict]) -> int:
+    return sum(len(j["prompts"]) * j["params"]["max_tokens"] for j in jobs)
+
+
 class Progress:
-    """One tqdm bar per configuration (tokens generated of those planned), with the engine's
-    state and an estimate of what is left of the whole run."""
+    """One tqdm bar over the whole run: tokens generated of those planned (every engine's
+    warm-up and every round of every job), naming the engine and job that run now; tqdm's own
+    estimate of the time left."""
 
-    def __init__(self, configs, jobs: list[dict]) -> None:
-        self.configs = configs  # one per engine run, in run order
-        self.planned = sum(len(j["prompts"]) * j["params"]["max_tokens"] for j in jobs)
-        self.finished: list[float] = []  # wall seconds of finished configurations
+    def __init__(self, configs, warm: list[dict], jobs: list[dict], rounds: int) -> None:
+        self.planned = len(configs) * (_planned_tokens(warm) + rounds * _planned_tokens(jobs))
+        self.bar = None
 
-    def _left(self, i: int, elapsed: float, tokens: int, gen_seconds: float) -> str:
-        rest = len(self.configs) - i - 1
-        if self.finished:
-            per_config = sum(self.finished) / len(self.finished)
-        elif tokens:  # first configuration: extrapolate from its own rate
-            per_config = elapsed + gen_seconds * (self.planned - tokens) / tokens
-        else:
-            return "estimating"
-        here = max(per_config - elapsed, gen_seconds * (self.planned - tokens) / max(tokens, 1))
-        return f"~{(here + rest * per_config) / 60:.1f} min left in all"
-
-    def run(self, i: int, config: str, fn):
-        """fn(callback) runs the engine; the callback gets its progress events."""
+    def __enter__(self) -> Progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=self.planned, desc=f"[{i + 1}/{len(self.configs)}] {config}",
-                   unit="tok", dynamic_ncols=True, mininterval=1.0)
-        bar.set_postfix_str("starting engine")
-        t0, ready = time.perf_counter(), [None]
+        self.bar = tqdm(total=self.planned, desc="[bench]", unit="tok", dynamic_ncols=True,
+                        mininterval=1.0)
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.bar.close()
+
+    def events(self, what: str):
+        """The progress callback of an engine's run: `what` runs (config, job)."""
+        self.bar.set_postfix_str(what)
 
         def on_event(ev: dict) -> None:
-            now = time.perf_counter() - t0
             if "ready" in ev:
-                ready[0] = now
-                bar.set_postfix_str(f"engine up in {ev['ready']:.0f} s")
-                return
-            bar.update(ev["tokens"])
-            left = self._left(i, now, bar.n, now - (ready[0] or now))
-            bar.set_postfix_str(f"{ev['job']}, {left}")
-
-        try:
-            return fn(on_event)
-        finally:
-            self.finished.append(time.perf_counter() - t0)
-            bar.close()
+                self.bar.set_postfix_str(f"{what}: engine up in {ev['ready']:.0f} s")
+            else:
+                self.bar.update(ev["tokens"])
+                self.bar.set_postfix_str(f"{what}, {ev['job']}")
+        return on_event
 
 
 def best_speedup(rows: list[dict], baseline: str) -> str:
@@ -542,7 +547,7 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
     from treedraft.training.models import resolve_model
     from treedraft.training.target import encode_chat
 
-    from .engine import run_engine
+    from .engine import Engine
 
     given = {"limit": limit, "max_new_tokens": max_new_tokens, "batch_sizes": batch_sizes,
              "temperatures": temperatures, "configs": configs, "enforce_eager": enforce_eager,
@@ -554,7 +559,6 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
     rounds, continuous = o["rounds"], o["continuous"]
     if rounds < 1:
         raise ValueError(f"bench rounds must be >= 1, got {rounds}")
-    runs = round_order(configs, rounds)
     vllm_dtype = resolve_dtype(dtype)
     machine = describe()
     specs = {c: speculative_config(c, str(resolve_head(head))) for c in configs}  # fail early
@@ -584,37 +588,63 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
           f"({'a queue, continuous batching' if continuous else 'waves'}), T "
           f"{list(o['temperatures'])}; {len(configs)} configurations: {', '.join(configs)}"
           + (f"; {rounds} rounds in alternating order" if rounds > 1 else ""), flush=True)
-    names = [c if rounds == 1 else f"{c} (round {r + 1})" for r, c in runs]
-    progress = Progress(names, warm + jobs)
     llm = {"max_num_seqs": max(o["batch_sizes"]), "dtype": vllm_dtype,
            "enforce_eager": o["enforce_eager"]}
+    if _cuda():  # the engines are up side by side: each gets its share of the GPU's memory
+        llm["gpu_memory_utilization"] = round(0.9 / len(configs), 3)
+    engines: dict[str, Engine] = {}
     rows, failed = [], []
-    for i, (rnd, c) in enumerate(runs):
-        # the worker zeroes this file when its runner starts, then rewrites it after every step
-        env = {PROFILE_ENV: str((out / f"profile-{i}.json").resolve())} if profile else None
+    t0 = time.perf_counter()
+
+    def lost(c: str, e: RuntimeError) -> None:  # a failed engine: the others go on
+        if c == configs[0]:
+            raise e  # the baseline: nothing to compare with
+        engines.pop(c, None)
+        i = configs.index(c)
+        (out / f"engine-{i}.log").write_text(str(e))
+        failed.append(c)
+        rows[:] = [r for r in rows if r["config"] != c]
+        print(f"[bench] {c} FAILED (its log: {out / f'engine-{i}.log'}): "
+              f"{str(e).strip().splitlines()[-1][:300]}; the other configurations go on",
+              flush=True)
+
+    with Progress(configs, warm, jobs, rounds) as progress:
         try:
-            results, log = progress.run(i, names[i], lambda cb, c=c, env=env: run_engine(
-                target_dir, specs[c], warm + jobs, llm=llm, timeout=7200, progress=cb, env=env))
-        except RuntimeError as e:  # an engine that failed: the others still run and report
-            if c == configs[0]:
-                raise  # the baseline: nothing to compare with
-            (out / f"engine-{i}.log").write_text(str(e))
-            failed.append(names[i])
-            print(f"[bench] {names[i]} FAILED (its log: {out / f'engine-{i}.log'}): "
-                  f"{str(e).strip().splitlines()[-1][:300]}; the other configurations go on",
-                  flush=True)
-            continue
-        (out / f"engine-{i}.log").write_text(log)  # the engine's own log (e.g. auto's choices)
-        done = [_row(c, j, results[j["name"]]) for j in jobs]
-        if by_category:
-            done += totals(done, sets)
-        rows += [{**r, "round": rnd} for r in done]
+            for i, c in enumerate(configs):  # start every engine and warm it, untimed
+                # the worker zeroes this file when its runner starts, then rewrites it per step
+                env = {PROFILE_ENV: str((out / f"profile-{i}.json").resolve())} if profile \
+                    else None
+                engines[c] = Engine(target_dir, specs[c], llm=llm, env=env)
+                try:
+                    engines[c].run(warm, progress=progress.events(c))
+                except RuntimeError as e:
+                    lost(c, e)
+            for rnd, j, c in run_order(configs, jobs, rounds):
+                if c not in engines:
+                    continue
+                try:
+                    res = engines[c].run([j], progress=progress.events(c))
+                except RuntimeError as e:
+                    lost(c, e)
+                    continue
+                rows.append({**_row(c, j, res[j["name"]]), "round": rnd})
+            for i, c in enumerate(configs):  # each engine's own log (e.g. auto's choices)
+                if c in engines:
+                    engines[c].close()
+                    (out / f"engine-{i}.log").write_text(engines[c].log)
+        finally:
+            for e in engines.values():
+                e.kill()
+    if by_category:  # each prompt set's total, per configuration and round
+        rows += [{**t, "round": rnd} for c in configs for rnd in range(rounds)
+                 for t in totals([r for r in rows if (r["config"], r["round"]) == (c, rnd)],
+                                 sets)]
     rows = merge_rounds(rows, configs[0])
     meta = {"target": target, "head": head, "prompts": prompts, "limit": o["limit"],
             "stride": o["stride"], "by_category": by_category,
             "max_new_tokens": o["max_new_tokens"], "baseline": configs[0],
             "dtype": vllm_dtype, "dtype_requested": dtype, "enforce_eager": o["enforce_eager"],
-            "machine": machine, "seconds": sum(progress.finished), "profile": profile,
+            "machine": machine, "seconds": time.perf_counter() - t0, "profile": profile,
             "rounds": rounds, "continuous": continuous, "failed": failed}
     (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     table = markdown(rows)
@@ -637,7 +667,7 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
     for p in plots(shown, out):
         print(f"wrote {p}")
     print(f"wrote {out / 'bench.json'} and {out / 'bench.md'} "
-          f"({sum(progress.finished) / 60:.1f} min; {machine})\n")
+          f"({(time.perf_counter() - t0) / 60:.1f} min; {machine})\n")
     print(table)
     print(best_speedup(shown, configs[0])
           + (f" ({main})" if len(groups) > 1 else ""))

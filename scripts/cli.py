@@ -197,9 +197,10 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
                    help="vLLM dtype; auto: bfloat16 where the CPU has AMX/AVX512-BF16, "
                         "float32 on AVX2-only CPUs (bf16 is several times slower there)")
     p.add_argument("--rounds", type=int, default=None,
-                   help="run the configurations N times in alternating order (A B C, C B A, "
-                        "...) and report medians and the range of the per-round speedups "
-                        f"(a shared machine's speed drifts over minutes; default {q['rounds']})")
+                   help="run every job N times in a row, each time on every configuration's "
+                        "engine in turn, the order alternating (A B C, C B A, ...), and report "
+                        "medians and the range of the per-round speedups (a shared machine's "
+                        f"speed drifts over minutes; default {q['rounds']})")
     queue = p.add_mutually_exclusive_group()
     queue.add_argument("--continuous", dest="continuous", action="store_true", default=None,
                        help="queue each job's prompts with at most the batch size running, the "

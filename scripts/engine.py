@@ -11,6 +11,9 @@ own `python -m treedraft.scripts.engine REQUEST.json` process. A request names t
 
 `params` may also be a list with one dict per prompt (a batch of mixed request shapes).
 
+`Engine` keeps such a child up across calls: its request has `"jobs": null` and the child reads
+one JSON list of jobs per stdin line, printing a result line for each, until stdin closes.
+
 With `background_shutdown`, `run_engine` returns as soon as the child has printed its result
 and the engine shuts down (seconds) in the background while the caller goes on.
 
@@ -87,13 +90,7 @@ def run_engine(target: str, speculative_config: dict | None, jobs: list[dict], *
         timer.start()
         done = False
         try:
-            for line in proc.stdout:
-                lines.append(line)
-                if progress is not None and line.startswith(PROGRESS):
-                    progress(json.loads(line[len(PROGRESS):]))
-                if line.startswith(RESULT):
-                    done = True
-                    break
+            done = _read_result(proc, lines, progress)
         finally:
             if done and background_shutdown:  # the engine shuts down while the caller goes on
                 threading.Thread(target=_drain, args=(proc, timer), daemon=True).start()
@@ -106,11 +103,107 @@ def run_engine(target: str, speculative_config: dict | None, jobs: list[dict], *
     finally:
         os.unlink(f.name)
     log = "".join(lines)
-    results = [ln for ln in lines if ln.startswith(RESULT)]
-    if not done and (proc.returncode != 0 or not results):
-        why = f"killed after {timeout} s" if proc.returncode == -9 else f"exit {proc.returncode}"
-        raise RuntimeError(f"vLLM engine run failed ({why}):\n{log[-6000:]}")
-    return json.loads(results[-1][len(RESULT):]), log
+    if not done:
+        raise RuntimeError(f"vLLM engine run failed ({_why(proc, timeout)}):\n{log[-6000:]}")
+    return json.loads(lines[-1][len(RESULT):]), log
+
+
+class Engine:
+    """One vLLM engine in its own process (what `run_engine` starts), kept up across `run`
+    calls: each call sends a list of jobs and returns their results, so that several engines
+    can take turns on the same jobs (`treedraft bench` pairs configurations in time). The child
+    starts at once; the first `run` waits for it. `close()` ends it (stdin closed: it shuts
+    down and exits), `kill()` stops it now.
+
+        with Engine(target, spec, llm={"max_num_seqs": 8}) as e:
+            first = e.run([job_a])       # {job name: result}, as run_engine's
+            again = e.run([job_a, job_b])
+    """
+
+    def __init__(self, target: str, speculative_config: dict | None, *,
+                 llm: dict | None = None, env: dict[str, str] | None = None) -> None:
+        request = {"target": str(target), "speculative_config": speculative_config,
+                   "llm": llm or {}, "jobs": None}  # no jobs: the child serves them from stdin
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(request, f)
+        self._request = f.name
+        self.lines: list[str] = []  # the child's output so far
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "treedraft.scripts.engine", f.name], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**engine_env(), **(env or {})})
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def run(self, jobs: list[dict], *, progress: Callable[[dict], None] | None = None,
+            timeout: int = 7200) -> dict:
+        """Run `jobs` (run_engine's format); results by job name. progress: as run_engine's
+        (`ready` once, on the first call). A child that fails or runs past `timeout` seconds
+        is stopped and raises RuntimeError with its log's end."""
+        timer = threading.Timer(timeout, self.proc.kill)
+        timer.start()
+        try:
+            self.proc.stdin.write(json.dumps(jobs) + "\n")
+            self.proc.stdin.flush()
+            done = _read_result(self.proc, self.lines, progress)
+        except (BrokenPipeError, OSError):  # the child is gone
+            done = False
+        finally:
+            timer.cancel()
+        if not done:
+            self.kill()
+            raise RuntimeError(f"vLLM engine run failed ({_why(self.proc, timeout)}):\n"
+                               f"{self.log[-6000:]}")
+        return json.loads(self.lines[-1][len(RESULT):])
+
+    def close(self, timeout: int = 300) -> None:
+        """Let the engine shut down and wait for it (its memory freed before the caller
+        starts another)."""
+        if self.proc.poll() is None:
+            timer = threading.Timer(timeout, self.proc.kill)
+            timer.start()
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+            _drain(self.proc, timer)
+        self._unlink()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._unlink()
+
+    def _unlink(self) -> None:
+        if os.path.exists(self._request):
+            os.unlink(self._request)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        self.kill() if exc_type is not None else self.close()
+
+
+def _read_result(proc: subprocess.Popen, lines: list[str],
+                 progress: Callable[[dict], None] | None) -> bool:
+    """Read the child's lines into `lines` up to its next result line (True; it is the last
+    line read), handing progress events to `progress`; False where the output ends first."""
+    for line in proc.stdout:
+        lines.append(line)
+        if progress is not None and line.startswith(PROGRESS):
+            progress(json.loads(line[len(PROGRESS):]))
+        if line.startswith(RESULT):
+            return True
+    return False
+
+
+def _why(proc: subprocess.Popen, timeout: int) -> str:
+    proc.wait()
+    return f"killed after {timeout} s" if proc.returncode == -9 else f"exit {proc.returncode}"
 
 
 def _drain(proc: subprocess.Popen, timer: threading.Timer) -> None:
@@ -277,8 +370,13 @@ def _main(path: str) -> None:
 
     # patches treedraft applied in this process (with the engine in-process: the engine's own)
     _report({"ready": time.perf_counter() - t, "treedraft_patches": len(patching.applied())})
-    results = {job["name"]: _run_job(llm, job) for job in req["jobs"]}
-    print(RESULT + json.dumps(results), flush=True)
+    if req.get("jobs") is not None:
+        results = {job["name"]: _run_job(llm, job) for job in req["jobs"]}
+        print(RESULT + json.dumps(results), flush=True)
+        return
+    for line in sys.stdin:  # `Engine`: a list of jobs per line, until stdin closes
+        results = {job["name"]: _run_job(llm, job) for job in json.loads(line)}
+        print(RESULT + json.dumps(results), flush=True)
 
 
 if __name__ == "__main__":

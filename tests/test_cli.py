@@ -224,10 +224,14 @@ def test_interleave_summary_pairs_prompts_against_the_first_config():
         summarize({"base": [1.0, 1.0], "fast": [1.0]}, per_pass=2)
 
 def test_bench_rounds_alternate_and_merge_to_paired_medians():
-    from treedraft.scripts.bench import markdown, merge_rounds, round_order
+    from treedraft.scripts.bench import markdown, merge_rounds, run_order
 
-    assert round_order(("a", "b", "c"), 3) == [(0, "a"), (0, "b"), (0, "c"), (1, "c"), (1, "b"),
-                                               (1, "a"), (2, "a"), (2, "b"), (2, "c")]
+    # each job's rounds in a row, every configuration in turn, the order alternating throughout
+    assert [(r, j + c) for r, j, c in run_order(("a", "b", "c"), ["x", "y"], 2)] == [
+        (0, "xa"), (0, "xb"), (0, "xc"), (1, "xc"), (1, "xb"), (1, "xa"),
+        (0, "ya"), (0, "yb"), (0, "yc"), (1, "yc"), (1, "yb"), (1, "ya")]
+    assert [(r, c) for r, _, c in run_order(("a", "b"), ["x"], 3)] == [
+        (0, "a"), (0, "b"), (1, "b"), (1, "a"), (2, "a"), (2, "b")]
 
     def row(config, rnd, tok_s):
         return {"config": config, "round": rnd, "prompts": "", "batch_size": 1,
@@ -333,18 +337,21 @@ def test_bench_profile_rows_and_table():
         in table, table
 
 
-def test_bench_progress_estimate_and_closing_line():
+def test_bench_progress_counts_every_engine_and_round_and_closing_line():
     from treedraft.scripts.bench import PRESETS, Progress, best_speedup
 
     jobs = [{"prompts": [[1]] * 4, "params": {"max_tokens": 64}},
             {"prompts": [[1]] * 8, "params": {"max_tokens": 64}}]
-    p = Progress(("no-spec", "chain=2", "tree=x"), jobs)
-    assert p.planned == 12 * 64
-    assert p._left(0, 30.0, 0, 0.0) == "estimating"
-    # first config: 30 s in, 20 of them generating 384 of 768 tokens -> 20 s more, 50 s each
-    assert p._left(0, 30.0, 384, 20.0) == f"~{(20 + 2 * 50) / 60:.1f} min left in all"
-    p.finished = [60.0]  # later configs use the finished ones' mean
-    assert p._left(1, 15.0, 0, 0.0) == f"~{(45 + 60) / 60:.1f} min left in all"
+    warm = [{"prompts": [[1]] * 2, "params": {"max_tokens": 32}}]
+    p = Progress(("no-spec", "chain=2", "tree=x"), warm, jobs, rounds=2)
+    assert p.planned == 3 * (2 * 32 + 2 * 12 * 64)  # three engines: warm-up and two rounds
+    with p:
+        on_event = p.events("chain=2")
+        on_event({"ready": 12.0})
+        assert p.bar.n == 0 and "chain=2: engine up in 12 s" in str(p.bar)
+        on_event({"job": "T0.0-bs1", "tokens": 64})
+        on_event({"job": "T0.0-bs1", "tokens": 64})
+        assert p.bar.n == 128 and "chain=2, T0.0-bs1" in str(p.bar)
     rows = [{"config": c, "temperature": t, "batch_size": b, "speedup": s} for c, t, b, s in [
         ("no-spec", 0, 1, 1.0), ("chain=2", 0, 1, 1.2), ("chain=2", 0, 8, 0.9),
         ("tree=x", 0, 1, 1.1), ("no-spec", 1, 1, 1.0), ("chain=2", 1, 1, 0.8)]]
@@ -421,24 +428,35 @@ def test_bench_reports_the_other_configs_when_one_engine_fails(tmp_path, monkeyp
 
     calls = []
 
-    def fake(target_dir, spec, jobs, **kw):  # the engine's result format, without an engine
-        calls.append(spec)
-        if spec is not None and spec.get("method") == "ngram":
-            raise RuntimeError("vLLM engine run failed (exit 1):\nWorker failed with error 'x'")
-        res = {}
-        for j in jobs:
-            n, bs = len(j["prompts"]), j["batch_size"]
-            res[j["name"]] = {"tokens": [[1] * j["params"]["max_tokens"]] * n,
-                              "wave_seconds": [1.0] * -(-n // bs),
-                              "spec": {"drafts": 0, "draft_tokens": 0, "accepted": 0,
-                                       "accepted_per_pos": [], "mean_acceptance_length": None}}
-        return res, "engine log"
+    class Fake:  # the engine's result format, without an engine
+        def __init__(self, target_dir, spec, **kw):
+            self.spec, self.log = spec, "engine log"
 
-    monkeypatch.setattr(engine, "run_engine", fake)
+        def run(self, jobs, **kw):
+            calls.append(self.spec)
+            if self.spec is not None and self.spec.get("method") == "ngram":
+                raise RuntimeError("vLLM engine run failed (exit 1):\nWorker failed with error 'x'")
+            res = {}
+            for j in jobs:
+                n, bs = len(j["prompts"]), j["batch_size"]
+                res[j["name"]] = {"tokens": [[1] * j["params"]["max_tokens"]] * n,
+                                  "wave_seconds": [1.0] * -(-n // bs),
+                                  "spec": {"drafts": 0, "draft_tokens": 0, "accepted": 0,
+                                           "accepted_per_pos": [],
+                                           "mean_acceptance_length": None}}
+            return res
+
+        def close(self):
+            pass
+
+        kill = close
+
+    monkeypatch.setattr(engine, "Engine", Fake)
     kw = dict(prompts="mtbench", limit=2, max_new_tokens=4, batch_sizes=[1], temperatures=[0],
               out=tmp_path / "b", rounds=1)
     rows = bench(configs=["no-spec", "ngram=3", "chain=2"], **kw)
-    assert len(calls) == 3 and {r["config"] for r in rows} == {"no-spec", "chain=2"}
+    # each engine warmed once, then the job: the failed engine gets no second call
+    assert len(calls) == 3 + 2 and {r["config"] for r in rows} == {"no-spec", "chain=2"}
     out = capsys.readouterr().out
     assert "ngram=3 FAILED" in out and "Worker failed with error 'x'" in out
     assert "FAILED, not in the table: ngram=3" in out
@@ -448,6 +466,52 @@ def test_bench_reports_the_other_configs_when_one_engine_fails(tmp_path, monkeyp
     assert "speedup vs no-spec, T=0" in md and "  chain=2 " in md and "ngram=3" not in md
     with pytest.raises(RuntimeError, match="engine run failed"):
         bench(configs=["ngram=3", "no-spec"], **kw)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_engine_stays_up_across_runs_and_a_failed_one_says_why():
+    """`treedraft bench`'s engines: one real vLLM engine process takes job lists in turn (the
+    same greedy job gives the same tokens each time; `ready` reported once), exits cleanly when
+    closed; a child that dies raises with its log's end, not a hang."""
+    from vllm_run import INPROC
+
+    from treedraft.scripts.engine import Engine
+    from treedraft.training.models import resolve_model
+
+    job = {"name": "a", "prompts": [[1, 2, 3, 4]], "batch_size": 1,
+           "params": {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}}
+    events = []
+    with Engine(str(resolve_model("smollm2-135m")), None, llm={"max_num_seqs": 2},
+                env=INPROC) as e:
+        first = e.run([job], progress=events.append)
+        second = e.run([job, {**job, "name": "b"}], progress=events.append)
+    assert e.proc.returncode == 0, e.log[-3000:]
+    assert len(first["a"]["tokens"][0]) == 8
+    assert first["a"]["tokens"] == second["a"]["tokens"] == second["b"]["tokens"]
+    assert [ev for ev in events if "ready" in ev] == events[:1]
+    bad = Engine(str(resolve_model("smollm2-135m")), None, llm={"no_such_argument": 1},
+                 env=INPROC)
+    with pytest.raises(RuntimeError, match=r"engine run failed \(exit 1\)") as err:
+        bad.run([job], timeout=600)
+    assert "no_such_argument" in str(err.value) and bad.proc.poll() is not None
+
+
+def test_serve_bench_pairs_each_round_with_its_baseline():
+    """`vllm bench serve`'s cross-check: a run's speedup is against the baseline's run of the
+    same round, T and concurrency; rows hold the median and the range."""
+    from treedraft.scripts.serve_bench import markdown, summarize
+
+    runs = [{"config": c, "temperature": 0.0, "concurrency": cc, "round": r, "tokens_per_s": v}
+            for c, cc, r, v in [("no-spec", 1, 0, 20.0), ("auto", 1, 0, 30.0),
+                                ("auto", 1, 1, 24.0), ("no-spec", 1, 1, 16.0),
+                                ("no-spec", 8, 0, 100.0), ("auto", 8, 0, 90.0)]]
+    rows = {(r["config"], r["concurrency"]): r for r in summarize(runs, "no-spec")}
+    auto = rows[("auto", 1)]
+    assert auto["round_speedups"] == [1.5, 1.5] and auto["speedup"] == 1.5  # drift cancels
+    assert auto["tokens_per_s"] == 27.0 and rows[("no-spec", 1)]["speedup"] == 1.0
+    assert rows[("auto", 8)]["speedup_range"] == pytest.approx([0.9, 0.9])
+    assert "| auto | 0 | 1 | 27.0 | 1.50x (1.50-1.50) |" in markdown(list(rows.values()))
 
 
 def test_machine_command_prints_flags_and_dtype():
