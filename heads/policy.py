@@ -7,11 +7,14 @@ modelled here; it is measured. The policy chooses among a few fixed draft config
 *arms* (`arms_for`): drafting nothing, chains of 1-4 head nodes (with the request's
 prompt-lookup proposal grafted, where the spec has lookup nodes, for greedy requests) and the
 head's trees up to the spec's size. Whatever an arm's verification costs (CPU tree attention,
-a GPU kernel), its realized tokens per second is what ranks it: nothing to retune per machine.
+a GPU kernel), its realized tokens per second per request is what ranks it: nothing to retune
+per machine.
 
 `ArmBandit` keeps, per *context* (the batch of drafting requests rounded up to a power of two,
-and whether most of them sample), per arm, a decayed sum of tokens and seconds of the steps it
-ran. It plays an arm for a window of `window` steps; a step counts for its arm only when the
+and whether most of them sample), per arm, a decayed sum of tokens per request and seconds of
+the steps it ran (per request: a context spans batches, 5-8 requests, and a CPU step costs
+about the same at either end, so plain tokens/s would favour whichever arm ran while the queue
+was fuller). It plays an arm for a window of `window` steps; a step counts for its arm only when the
 step before it ran the same arm in the same context (so the drafts it verified were that arm's
 too) and it ran no prefill chunk (`observe`'s `usable`). At each window's end:
 
@@ -22,7 +25,7 @@ too) and it ran no prefill chunk (`observe`'s `usable`). At each window's end:
    optimistic rate `rate * (1 + bonus / sqrt(steps / window))` (the next unmeasured arm counts
    as the one below it, never measured): a near-best arm soon, one at half the best's rate
    rarely;
-3. else the arm with the best measured rate (tokens / seconds).
+3. else the arm with the best measured rate (tokens per request / seconds).
 
 All arms' sums in a context decay by `decay` at each of its windows, so what was measured long
 ago weighs less and a stale arm's optimism grows back: the text and the machine drift.
@@ -62,7 +65,7 @@ def context(batch: int, sampled: int) -> tuple[int, bool]:
 
 @dataclass
 class Arm:
-    tokens: float = 0.0
+    tokens: float = 0.0  # per request
     seconds: float = 0.0
     steps: float = 0.0
 
@@ -97,16 +100,18 @@ class ArmBandit:
         self.left -= 1
         return self.arms[ctx[1]][self.arm]
 
-    def observe(self, tokens: int, seconds: float, usable: bool = True) -> None:
-        """The outcome of the step `plan` planned last: the tokens the step gave (1 + accepted
-        drafts per request, which the previous step's drafts earned) and its seconds (the
-        verification of those drafts and this step's drafting). It counts for its arm when the
-        step before ran the same arm in the same context (the drafts it verified were that
-        arm's), unless not `usable` (a step that prefills is priced by the prompt)."""
+    def observe(self, tokens: int, seconds: float, usable: bool = True,
+                requests: int = 1) -> None:
+        """The outcome of the step `plan` planned last: the tokens the step gave to its
+        `requests` requests (1 + accepted drafts each, which the previous step's drafts earned)
+        and its seconds (the verification of those drafts and this step's drafting). It counts
+        for its arm when the step before ran the same arm in the same context (the drafts it
+        verified were that arm's), unless not `usable` (a step that prefills is priced by the
+        prompt)."""
         now = (self.ctx, self.arm)
         if usable and self.last == now and seconds > 0:
             a = self.stats[self.ctx][self.arm]
-            a.tokens += tokens
+            a.tokens += tokens / max(requests, 1)
             a.seconds += seconds
             a.steps += 1
         self.last = now
@@ -116,7 +121,8 @@ class ArmBandit:
         self.last = None
 
     def rates(self, ctx: tuple[int, bool]) -> dict[str, float]:
-        """Measured tokens/s per arm of a context (arms not measured yet left out)."""
+        """Measured tokens/s per request, per arm of a context (arms not measured yet left
+        out)."""
         return {name: a.rate for name, a in zip(self.arms[ctx[1]], self.stats.get(ctx, ()),
                                                  strict=False) if a.steps}
 

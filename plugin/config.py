@@ -22,7 +22,7 @@ Tree shape: ``tree`` if given, else ``chain:num_speculative_tokens`` if that is 
 head's ``default_tree`` under ``"auto"``. ``"auto"`` drafts at most that tree with
 ``AUTO_LOOKUP`` prompt-lookup nodes grafted (``"auto:SPEC"``: at most SPEC, lookup only if SPEC
 has ``+lookup:N``) and lets the proposer choose each step's spec among a few fixed ones, from
-nothing drafted to that tree, by the tokens per second each realized in the engine
+nothing drafted to that tree, by the tokens per second per request each realized in the engine
 (heads/policy.py); it is what a config naming only the head gets. Chains are verified by vLLM's
 own rejection sampler; branching trees by
 treedraft's tree verifier. Prompt lookup needs no head: ``{"method": "treedraft", "tree":

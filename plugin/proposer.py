@@ -125,8 +125,8 @@ class AutoArms:
         (said, n), at = self._logged.get(ctx, ((None, 0), -math.inf))
         if best is not None and (len(rates) != n or best != said and now - at > 10) \
                 and _tp_rank0():
-            logger.info("treedraft auto: batch <= %d, %s: best %s; tokens/s by arm: %s; steps "
-                        "so far by arm: %s", ctx[0], "sampled" if ctx[1] else "greedy", best,
+            logger.info("treedraft auto: batch <= %d, %s: best %s; tokens/s per request by arm: "
+                        "%s; steps so far by arm: %s", ctx[0], "sampled" if ctx[1] else "greedy", best,
                         ", ".join(f"{a} {r:.1f}" for a, r in rates.items()),
                         ", ".join(f"{a} {n}" for a, n in self.steps.items()))
             self._logged[ctx] = ((best, len(rates)), now)
@@ -135,9 +135,9 @@ class AutoArms:
     def tally(self) -> str:
         """What auto did so far: steps per arm, and per context the arm it found best, e.g.
         'steps by arm: none 40, chain:3+lookup:4 812; best: batch <= 1 greedy chain:3+lookup:4
-        (31.2 tokens/s)'."""
+        (31.2 tokens/s per request)'."""
         best = [f"batch <= {c[0]} {'sampled' if c[1] else 'greedy'} {a} "
-                f"({self.bandit.rates(c)[a]:.1f} tokens/s)"
+                f"({self.bandit.rates(c)[a]:.1f} tokens/s per request)"
                 for c in sorted(self.bandit.stats) if (a := self.bandit.best(c)) is not None]
         return ("steps by arm: " + ", ".join(f"{a} {n}" for a, n in self.steps.items())
                 + "; best: " + ("; ".join(best) or "-"))
@@ -148,8 +148,8 @@ class AutoArms:
             self._gaps.append(now - self._last_end)
         self._start = now
 
-    def step_done(self, scheduler_output, tokens: int) -> None:
-        """The step that ends now gave `tokens` (1 + accepted drafts per request)."""
+    def step_done(self, scheduler_output, tokens: int, requests: int) -> None:
+        """The step that ends now gave `tokens` (1 + accepted drafts each) to `requests`."""
         now = time.perf_counter()
         if not self._planned:
             self.bandit.idle()
@@ -158,7 +158,8 @@ class AutoArms:
             prefill = any(n - len(spec.get(r, ())) > 1
                           for r, n in scheduler_output.num_scheduled_tokens.items())
             gap = statistics.median(self._gaps) if self._gaps else 0.0
-            self.bandit.observe(tokens, now - self._start + gap, usable=not prefill)
+            self.bandit.observe(tokens, now - self._start + gap, usable=not prefill,
+                                requests=requests)
         self._planned = False
         self._start, self._last_end = None, now
 
@@ -391,7 +392,7 @@ class TreeDraftProposer:
             self.trees[req_id], self.sources[req_id] = hybrid.tree, hybrid.sources
             drafts[i] = hybrid.tree.tokens[1 : budget + 1].tolist()  # make_request keeps these
         if self.auto is not None:
-            self.auto.step_done(scheduler_output, sum(len(s) for _, _, s, _ in work))
+            self.auto.step_done(scheduler_output, sum(len(s) for _, _, s, _ in work), len(work))
         self.last_draft_probs = self._draft_probs(runner, drafts, probs) if probs else None
         if probs:
             logger.info_once(

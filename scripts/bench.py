@@ -471,7 +471,8 @@ class Progress:
         self.bar.close()
 
     def events(self, what: str):
-        """The progress callback of an engine's run: `what` runs (config, job)."""
+        """The progress callback of a run of configuration `what`'s engine (its name shown on
+        the bar)."""
         self.bar.set_postfix_str(what)
 
         def on_event(ev: dict) -> None:

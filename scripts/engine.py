@@ -13,9 +13,9 @@ own `python -m treedraft.scripts.engine REQUEST.json` process. A request names t
 
 `Engine` keeps such a child up across calls: its request has `"jobs": null` and the child reads
 one JSON list of jobs per stdin line, printing a result line for each, until stdin closes.
-
-With `background_shutdown`, `run_engine` returns as soon as the child has printed its result
-and the engine shuts down (seconds) in the background while the caller goes on.
+`run_engine` is one `Engine` run once and closed (with `background_shutdown`, it returns as soon
+as the child has printed its result and the engine shuts down, seconds, while the caller goes
+on). A request with its jobs in the file runs them and exits (tests/engine_host.py).
 
 `params` may name `structured_outputs` as a dict of StructuredOutputsParams fields.
 
@@ -31,7 +31,7 @@ vLLM's spec-decode counters during the job
 (and, when `TREEDRAFT_PROFILE` is in the engine's environment, the change of the worker's step
 profile: seconds per phase, steps, scheduled tokens; plugin/profile.py). While it
 runs it prints ``TREEDRAFT_PROGRESS {...}`` lines (engine ready, with the number of patches
-treedraft applied in the script's process; after each wave: job, tokens), which `run_engine`
+treedraft applied in the script's process; after each wave: job, tokens), which `Engine.run`
 hands to its `progress` callback as they arrive.
 """
 
@@ -68,55 +68,34 @@ def run_engine(target: str, speculative_config: dict | None, jobs: list[dict], *
                progress: Callable[[dict], None] | None = None,
                env: dict[str, str] | None = None,
                background_shutdown: bool = False) -> tuple[dict, str]:
-    """Run `jobs` on a fresh engine; returns (results by job name, the child's log).
+    """Run `jobs` on a fresh engine (an `Engine` closed after one `run`); returns (results by
+    job name, the child's log up to its result line).
 
     progress: called in this thread's caller with each event the child reports, as it comes:
     {"ready": seconds to start the engine} once, then {"job": name, "tokens": n} per wave.
     env: extra environment of the engine process (e.g. VLLM_PLUGINS=none: stock vLLM).
     background_shutdown: return at the result line and let the engine shut down (seconds)
     in a background thread (the tests); otherwise wait until it has exited and freed its
-    memory (`treedraft bench` starts the next engine right after: on a GPU, vLLM's start-up
-    memory check would see the previous engine's)."""
-    request = {"target": str(target), "speculative_config": speculative_config,
-               "llm": llm or {}, "jobs": jobs}
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(request, f)
-    lines: list[str] = []
-    try:
-        proc = subprocess.Popen([sys.executable, "-m", "treedraft.scripts.engine", f.name],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**engine_env(), **(env or {})})
-        timer = threading.Timer(timeout, proc.kill)  # a hung engine must not hang the caller
-        timer.start()
-        done = False
-        try:
-            done = _read_result(proc, lines, progress)
-        finally:
-            if done and background_shutdown:  # the engine shuts down while the caller goes on
-                threading.Thread(target=_drain, args=(proc, timer), daemon=True).start()
-            elif done:
-                _drain(proc, timer)
-            else:  # no result (the child ended, or the progress callback raised): stop it
-                proc.kill()
-                proc.wait()
-                timer.cancel()
-    finally:
-        os.unlink(f.name)
-    log = "".join(lines)
-    if not done:
-        raise RuntimeError(f"vLLM engine run failed ({_why(proc, timeout)}):\n{log[-6000:]}")
-    return json.loads(lines[-1][len(RESULT):]), log
+    memory (on a GPU, vLLM's start-up memory check of an engine started next would see this
+    one's)."""
+    engine = Engine(target, speculative_config, llm=llm, env=env)
+    results = engine.run(jobs, progress=progress, timeout=timeout)  # kills and raises on failure
+    if background_shutdown:
+        threading.Thread(target=engine.close, daemon=True).start()
+    else:
+        engine.close()
+    return results, engine.log
 
 
 class Engine:
-    """One vLLM engine in its own process (what `run_engine` starts), kept up across `run`
-    calls: each call sends a list of jobs and returns their results, so that several engines
-    can take turns on the same jobs (`treedraft bench` pairs configurations in time). The child
-    starts at once; the first `run` waits for it. `close()` ends it (stdin closed: it shuts
+    """One vLLM engine in its own process, kept up across `run` calls: each call sends a list of
+    jobs and returns their results, so that several engines can take turns on the same jobs
+    (`treedraft bench` pairs configurations in time). The child starts at once; the first `run`
+    waits for it. `close()` ends it (stdin closed: it shuts
     down and exits), `kill()` stops it now.
 
         with Engine(target, spec, llm={"max_num_seqs": 8}) as e:
-            first = e.run([job_a])       # {job name: result}, as run_engine's
+            first = e.run([job_a])       # {job name: result}
             again = e.run([job_a, job_b])
     """
 
@@ -144,16 +123,18 @@ class Engine:
         is stopped and raises RuntimeError with its log's end."""
         timer = threading.Timer(timeout, self.proc.kill)
         timer.start()
+        done = False
         try:
             self.proc.stdin.write(json.dumps(jobs) + "\n")
             self.proc.stdin.flush()
             done = _read_result(self.proc, self.lines, progress)
-        except (BrokenPipeError, OSError):  # the child is gone
-            done = False
+        except OSError:  # the child is gone (a broken pipe)
+            pass
         finally:
             timer.cancel()
+            if not done:  # the child failed or hung, or the progress callback raised: stop it
+                self.kill()
         if not done:
-            self.kill()
             raise RuntimeError(f"vLLM engine run failed ({_why(self.proc, timeout)}):\n"
                                f"{self.log[-6000:]}")
         return json.loads(self.lines[-1][len(RESULT):])

@@ -21,6 +21,7 @@ server's log is OUT/serve-N.log.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import statistics
@@ -60,20 +61,42 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
-def _wait_ready(proc: subprocess.Popen, port: int, log: Path, timeout: float = 900) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve on port {port} exited ({proc.returncode}); its log "
-                               f"{log}:\n{log.read_text()[-4000:]}")
+@contextlib.contextmanager
+def serving(cmd: list[str], port: int, log: Path, timeout: float = 900,
+            env: dict[str, str] | None = None):
+    """Run `vllm serve ...` (`cmd`, listening on `port`) with its output in `log`; yields the
+    process once /health answers, terminates it (then kills it after 60 s) on the way out. A
+    server that exits or is not up within `timeout` seconds raises RuntimeError with its log's
+    end."""
+    from .engine import engine_env
+
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                env=env or engine_env())
+    try:
+        end = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve on port {port} exited ({proc.returncode}); "
+                                   f"its log {log}:\n{log.read_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > end:
+                raise RuntimeError(f"vllm serve on port {port} not ready after {timeout:.0f} s; "
+                                   f"its log {log}:\n{log.read_text()[-4000:]}")
+            time.sleep(2)
+        yield proc
+    finally:
+        proc.terminate()
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(2)
-    raise RuntimeError(f"vllm serve on port {port} not ready after {timeout:.0f} s; log {log}")
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -83,7 +106,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from treedraft.training.models import resolve_model
 
     from .bench import PRESETS, run_order, speculative_config
-    from .engine import engine_env
 
     q = PRESETS["quick"]
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -118,27 +140,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"[serve_bench] {describe()}; vLLM dtype {dtype}, eager; {len(ds)} MT-bench prompts x "
           f"{a.max_new_tokens} tokens; concurrency {conc}, T {temps}; {a.rounds} rounds; "
           f"configurations: {', '.join(configs)}", flush=True)
-    servers: dict[str, tuple[subprocess.Popen, int]] = {}
+    ports: dict[str, int] = {}
     runs: list[dict] = []
-    try:
+    with contextlib.ExitStack() as servers:
         for i, c in enumerate(configs):
-            port, log = a.port + i, out / f"serve-{i}.log"
-            cmd = [vllm, "serve", target, "--port", str(port), "--dtype", dtype,
+            ports[c] = a.port + i
+            cmd = [vllm, "serve", target, "--port", str(ports[c]), "--dtype", dtype,
                    "--enforce-eager", "--max-num-seqs", str(max(conc)), "--max-model-len",
                    "2048", "--seed", "0"]
             if specs[c] is not None:
                 cmd += ["--speculative-config", json.dumps(specs[c])]
-            with open(log, "w") as f:
-                servers[c] = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
-                                              env=engine_env()), port
-            _wait_ready(servers[c][0], port, log)  # one at a time: start-ups do not overlap
-            print(f"[serve_bench] {c}: vllm serve up on port {port}", flush=True)
+            # one at a time: start-ups do not overlap
+            servers.enter_context(serving(cmd, ports[c], out / f"serve-{i}.log"))
+            print(f"[serve_bench] {c}: vllm serve up on port {ports[c]}", flush=True)
         jobs = [(t, cc) for t in temps for cc in conc]
         for rnd, (t, cc), c in run_order(configs, jobs, a.rounds):
             name = f"{c}-T{t:g}-c{cc}-r{rnd}".replace("=", "_").replace(":", "_")
             n = max(len(ds), 4 * cc)
             cmd = [vllm, "bench", "serve", "--backend", "vllm",
-                   "--base-url", f"http://127.0.0.1:{servers[c][1]}", "--model", target,
+                   "--base-url", f"http://127.0.0.1:{ports[c]}", "--model", target,
                    "--dataset-name", "custom", "--dataset-path", str(data), "--disable-shuffle",
                    "--custom-output-len", str(a.max_new_tokens), "--ignore-eos",
                    "--num-prompts", str(n), "--max-concurrency", str(cc),
@@ -155,14 +175,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          "completed": res["completed"]})
             print(f"[serve_bench] round {rnd + 1} T={t:g} concurrency {cc} {c}: "
                   f"{res['output_throughput']:.1f} output tok/s", flush=True)
-    finally:
-        for proc, _ in servers.values():
-            proc.terminate()
-        for proc, _ in servers.values():
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
     rows = summarize(runs, configs[0])
     (out / "serve_bench.json").write_text(json.dumps({"runs": runs, "rows": rows}, indent=1))
     table = markdown(rows)

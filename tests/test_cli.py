@@ -497,6 +497,27 @@ def test_engine_stays_up_across_runs_and_a_failed_one_says_why():
     assert "no_such_argument" in str(err.value) and bad.proc.poll() is not None
 
 
+def test_engine_whose_progress_callback_raises_is_stopped(tmp_path, monkeypatch):
+    """An exception in `Engine.run`'s progress callback (a user's Ctrl-C in the bar) stops the
+    child at once instead of leaving it running; the exception reaches the caller. The child
+    here is a stand-in process that reports one progress event and then hangs."""
+    from treedraft.scripts import engine
+
+    child = tmp_path / "python"
+    child.write_text("#!/bin/sh\necho 'TREEDRAFT_PROGRESS {\"ready\": 1.0}'\nexec sleep 600\n")
+    child.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(child))
+    e = engine.Engine("no-target", None)
+
+    def progress(ev: dict) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        e.run([], progress=progress, timeout=60)
+    assert e.proc.poll() == -9  # killed, not left running until the timer
+    assert not Path(e._request).exists()
+
+
 def test_serve_bench_pairs_each_round_with_its_baseline():
     """`vllm bench serve`'s cross-check: a run's speedup is against the baseline's run of the
     same round, T and concurrency; rows hold the median and the range."""

@@ -845,7 +845,7 @@ def test_auto_measures_steps_that_drafted_and_verified_one_arm_without_prefill()
             auto.plan(len(scheduled))
         time.sleep(pause)
         auto.step_done(SimpleNamespace(num_scheduled_tokens=scheduled,
-                                       scheduled_spec_decode_tokens=spec), tokens)
+                                       scheduled_spec_decode_tokens=spec), tokens, len(scheduled))
 
     step({"a": 40}, {}, 1)  # a prefill chunk: not measured
     step({"a": 1}, {}, 1, pause=0.01)  # after it (same arm): measured
@@ -859,4 +859,5 @@ def test_auto_measures_steps_that_drafted_and_verified_one_arm_without_prefill()
     assert sum(a.steps for a in b.stats[(2, False)]) == 1
     step({"a": 1, "b": 1}, {}, 2)
     assert sum(a.steps for a in b.stats[(2, False)]) == 2
+    assert sum(a.tokens for a in b.stats[(2, False)]) == 2  # 1 token per request, 2 steps
     assert "steps by arm: none" in auto.tally() and "batch <= 1 greedy none" in auto.tally()

@@ -401,7 +401,8 @@ def test_greedy_outputs_identical_to_no_speculation(runs, name, prompts, target)
     if name == "auto":  # the policy measured its arms and said which it found best
         log = runs[name][1]
         said = re.findall(r"treedraft auto: batch <= (\d+), (greedy|sampled): best (\S+); "
-                          r"tokens/s by arm: ([^;]*); steps so far by arm: (.*)", log)
+                          r"tokens/s per request by arm: ([^;]*); steps so far by arm: (.*)",
+                          log)
         assert said, log[-3000:]
         measured = 0  # the most arms one line ranked
         for line in said:  # each line's best is the fastest arm it measured in that context

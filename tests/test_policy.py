@@ -120,3 +120,20 @@ def test_a_drifting_machine_or_text_moves_the_choice():
     assert b.best((1, False)) == "chain:3" and played["chain:3"] > 1400
     later = run(b, lambda a, t: rate(a, t + 2000), 2000, seed=1)
     assert b.best((1, False)) == "chain:1" and later["chain:1"] > 1200
+
+
+def test_arms_are_compared_per_request_not_by_how_full_the_batch_was():
+    """A context covers batches 5-8: an arm measured while the queue ran 8 requests must not
+    beat one measured at its tail with 5 for the same per-request speed (a CPU step costs about
+    the same at 5 and 8 requests, so tokens/s follows the batch). Rates are per request."""
+    arms = [NONE, "chain:1"]
+    b = ArmBandit({False: arms, True: [NONE]}, window=4, explore_every=2)
+    per_request = {NONE: 25.0, "chain:1": 20.0}  # tokens/s of each request: drafting nothing wins
+    seconds = 0.05
+    for t in range(400):
+        batch = 5 if t % 8 < 4 else 8  # a queue that refills and drains
+        arm = b.plan(batch)
+        b.observe(per_request[arm] * batch * seconds, seconds, requests=batch)
+    rates = b.rates((8, False))
+    assert abs(rates[NONE] - 25.0) < 1e-6 and abs(rates["chain:1"] - 20.0) < 1e-6
+    assert b.best((8, False)) == NONE

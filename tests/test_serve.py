@@ -21,13 +21,13 @@ import json
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from treedraft.scripts.engine import engine_env
+from treedraft.scripts.serve_bench import serving
 from treedraft.training.models import resolve_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -59,28 +59,8 @@ def _serve(log: Path, spec: dict | None, *extra: str):
             "--max-model-len", "1024", *extra]
     if spec is not None:
         args += ["--speculative-config", json.dumps(spec)]
-    with log.open("w") as f:
-        proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env=engine_env())
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 400
-        while time.time() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"vllm serve exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
-            try:
-                urllib.request.urlopen(base + "/health", timeout=5)
-                break
-            except OSError:
-                time.sleep(2)
-        else:
-            pytest.fail(f"vllm serve did not come up:\n{log.read_text()[-4000:]}")
-        yield base, proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    with serving(args, port, log, timeout=400) as proc:
+        yield f"http://127.0.0.1:{port}", proc
 
 
 @pytest.fixture(scope="module")
