@@ -91,8 +91,8 @@ class Engine:
     """One vLLM engine in its own process, kept up across `run` calls: each call sends a list of
     jobs and returns their results, so that several engines can take turns on the same jobs
     (`treedraft bench` pairs configurations in time). The child starts at once; the first `run`
-    waits for it. `close()` ends it (stdin closed: it shuts
-    down and exits), `kill()` stops it now.
+    waits for it. `close()` ends it (stdin closed: it shuts down and exits), `kill()` stops it
+    now, as does a `run` that fails or is interrupted.
 
         with Engine(target, spec, llm={"max_num_seqs": 8}) as e:
             first = e.run([job_a])       # {job name: result}
