@@ -14,9 +14,9 @@ per machine.
 and whether most of them sample), per arm, a decayed sum of tokens per request and seconds of
 the steps it ran (per request: a context spans batches, 5-8 requests, and a CPU step costs
 about the same at either end, so plain tokens/s would favour whichever arm ran while the queue
-was fuller). It plays an arm for a window of `window` steps; a step counts for its arm only when the
-step before it ran the same arm in the same context (so the drafts it verified were that arm's
-too) and it ran no prefill chunk (`observe`'s `usable`). At each window's end:
+was fuller). It plays an arm for a window of `window` steps; a step counts for its arm only
+when the step before it ran the same arm in the same context (so the drafts it verified were
+that arm's too) and it ran no prefill chunk (`observe`'s `usable`). At each window's end:
 
 1. the arms are ordered by size; the smallest not measured yet in this context is played while
    the largest measured one ran at least `sweep` times the best rate (larger trees cost more

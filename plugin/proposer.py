@@ -126,7 +126,8 @@ class AutoArms:
         if best is not None and (len(rates) != n or best != said and now - at > 10) \
                 and _tp_rank0():
             logger.info("treedraft auto: batch <= %d, %s: best %s; tokens/s per request by arm: "
-                        "%s; steps so far by arm: %s", ctx[0], "sampled" if ctx[1] else "greedy", best,
+                        "%s; steps so far by arm: %s", ctx[0],
+                        "sampled" if ctx[1] else "greedy", best,
                         ", ".join(f"{a} {r:.1f}" for a, r in rates.items()),
                         ", ".join(f"{a} {n}" for a, n in self.steps.items()))
             self._logged[ctx] = ((best, len(rates)), now)
