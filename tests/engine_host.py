@@ -7,6 +7,9 @@ engine, so tests that need several engines start them here in one child.
                        env={"TREEDRAFT_TREE_ATTENTION": "kernel"})
     results, log, events = runs["tree"]
 
+    host = EngineHost({...})          # started now; each result read as it comes
+    results, log, events = host.get("tree")
+
 Each engine is exactly what `treedraft.scripts.engine.run_engine` starts (its child's `_main`:
 the same `LLM(...)` defaults, jobs and result line), built in the order given after the
 previous one has been dropped; `log` is the child's output from that engine's start to its
@@ -32,61 +35,85 @@ import threading
 
 from vllm_run import INPROC
 
-from treedraft.scripts.engine import PROGRESS, RESULT, _drain, engine_env
+from treedraft.scripts.engine import PROGRESS, RESULT, _why, engine_env
 
 ENGINE = "TREEDRAFT_ENGINE "  # the child's line before it builds each engine
+
+
+class EngineHost:
+    """The child that builds `engines` one after another (started at once), read as it runs:
+    `get(name)` waits for that engine's result; earlier engines' tests need not wait for later
+    ones. When the last result is in, the child shuts its last engine down while the tests go
+    on. An engine that fails ends the child: `get` of it, or of any engine after it, raises
+    RuntimeError with the failed engine's log."""
+
+    def __init__(self, engines: dict[str, dict], *, env: dict[str, str] | None = None,
+                 timeout: int = 3600) -> None:
+        self.names, self.timeout = list(engines), timeout
+        self.out: dict[str, tuple[dict, str, list[dict]]] = {}
+        self.lines: list[str] = []
+        self.current: str | None = None
+        self.start: int | None = None
+        self.done = threading.Event()
+        self.lock = threading.Condition()
+        self.paths = []
+        for name, e in engines.items():
+            with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+                json.dump({"name": name, "target": str(e["target"]),
+                           "speculative_config": e.get("spec"), "llm": e.get("llm") or {},
+                           "jobs": e["jobs"], "env": e.get("env") or {}}, f)
+            self.paths.append(f.name)
+        self.proc = subprocess.Popen([sys.executable, __file__, *self.paths],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**engine_env(), **INPROC, **(env or {})})
+        self.timer = threading.Timer(timeout, self.proc.kill)  # a hung engine fails the tests
+        self.timer.start()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        events: list[dict] = []
+        try:
+            for line in self.proc.stdout:
+                with self.lock:
+                    self.lines.append(line)
+                    if line.startswith(ENGINE):
+                        self.current, self.start = line[len(ENGINE):].strip(), len(self.lines) - 1
+                        events = []
+                    elif line.startswith(PROGRESS):
+                        events.append(json.loads(line[len(PROGRESS):]))
+                    elif line.startswith(RESULT) and self.current is not None:
+                        self.out[self.current] = (json.loads(line[len(RESULT):]),
+                                                  "".join(self.lines[self.start:]), events)
+                        self.lock.notify_all()
+            self.proc.wait()
+        finally:
+            self.timer.cancel()
+            for p in self.paths:
+                os.unlink(p)
+            with self.lock:
+                self.done.set()
+                self.lock.notify_all()
+
+    def get(self, name: str) -> tuple[dict, str, list[dict]]:
+        """(results, log, events) of engine `name`, once its jobs are done."""
+        with self.lock:
+            while name not in self.out and not self.done.is_set():
+                self.lock.wait()
+            if name in self.out:
+                return self.out[name]
+            failed = self.current if self.current not in self.out else \
+                self.names[len(self.out)]
+            tail = "".join(self.lines[self.start:] if self.start is not None else self.lines)
+        raise RuntimeError(f"vLLM engine {failed!r} failed ({_why(self.proc, self.timeout)}) "
+                           f"before {name!r}; engines done: {list(self.out)}:\n{tail[-6000:]}")
 
 
 def run_engines(engines: dict[str, dict], *, env: dict[str, str] | None = None,
                 timeout: int = 3600) -> dict[str, tuple[dict, str, list[dict]]]:
     """Run each engine's jobs in one child process, in order; name -> (results, log, events).
     Returns at the last result line; the child shuts its last engine down in the background."""
-    paths = []
-    for name, e in engines.items():
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-            json.dump({"name": name, "target": str(e["target"]),
-                       "speculative_config": e.get("spec"), "llm": e.get("llm") or {},
-                       "jobs": e["jobs"], "env": e.get("env") or {}}, f)
-        paths.append(f.name)
-    names, out = list(engines), {}
-    lines: list[str] = []
-    current: str | None = None
-    start = events = None
-    try:
-        proc = subprocess.Popen([sys.executable, __file__, *paths], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True,
-                                env={**engine_env(), **INPROC, **(env or {})})
-        timer = threading.Timer(timeout, proc.kill)  # a hung engine must not hang the tests
-        timer.start()
-        try:
-            for line in proc.stdout:
-                lines.append(line)
-                if line.startswith(ENGINE):
-                    current, start, events = line[len(ENGINE):].strip(), len(lines) - 1, []
-                elif line.startswith(PROGRESS) and events is not None:
-                    events.append(json.loads(line[len(PROGRESS):]))
-                elif line.startswith(RESULT) and current is not None:
-                    out[current] = (json.loads(line[len(RESULT):]), "".join(lines[start:]),
-                                    events)
-                    if len(out) == len(names):
-                        break
-        finally:
-            if len(out) == len(names):  # the last engine shuts down while the tests go on
-                threading.Thread(target=_drain, args=(proc, timer), daemon=True).start()
-            else:
-                proc.kill()
-                proc.wait()
-                timer.cancel()
-    finally:
-        for p in paths:
-            os.unlink(p)
-    if len(out) < len(names):
-        failed = current if current not in out else names[len(out)]
-        why = f"killed after {timeout} s" if proc.returncode == -9 else f"exit {proc.returncode}"
-        tail = "".join(lines[start:] if start is not None else lines)[-6000:]
-        raise RuntimeError(f"vLLM engine {failed!r} failed ({why}); engines done: "
-                           f"{list(out)}:\n{tail}")
-    return out
+    host = EngineHost(engines, env=env, timeout=timeout)
+    return {name: host.get(name) for name in engines}
 
 
 def _main(paths: list[str]) -> None:

@@ -1,8 +1,9 @@
 """treedraft heads inside a real vLLM engine on CPU (SmolLM2, shipped heads): exact output.
 
-One engine per configuration runs the same jobs (tests/../scripts/engine.py; the base engine
-in vLLM's default processes (the script, an engine core, a worker), the others with vLLM's
-engine core and worker in-process, which starts in about half the time):
+One engine per configuration runs the same jobs (scripts/engine.py; the base engine in vLLM's
+default processes (the script, an engine core, a worker), the others with vLLM's engine core
+and worker in-process, which starts in about half the time, most of them one after another in
+one child process: tests/engine_host.py, HOSTS below):
 * greedy: 5 MT-bench first turns and 3 HumanEval problems of different lengths, submitted
   together (batch 8, mixed prefill and decode), 48 tokens. Chain (vLLM's rejection sampler) and
   a hybrid tree (dynamic tree + prompt-lookup branches), both drafted by the shipped EAGLE-3
@@ -179,25 +180,53 @@ def _shapes_job(prompts, tokenizer) -> dict:
                        {**greedy, "max_tokens": 16, "prompt_logprobs": 1}]}
 
 
+# Engines that share a child process (tests/engine_host.py: each child pays seconds of imports
+# once), in the order they are built there: no speculation first, vLLM's ngram method last,
+# qchain before the other tree engines (its test reads a line vLLM logs once per process).
+# VLLM_PLUGINS is read once per process, hence a child of its own for stock vLLM.
+HOSTS = {"plugin": ["base_bf16", "chain", "qchain", "tree", "pressure", "medusa", "auto",
+                    "schedule", "tree_bf16", "ngram"],
+         "stock": ["stock_eagle3", "stock_medusa", "ngram_stock"]}
+HOST_ENV = {"plugin": {}, "stock": {"VLLM_PLUGINS": "none"}}
+
+
 class Runs(dict):
-    """name -> (results, log); each configuration's engine is started on first use."""
+    """name -> (results, log); each configuration's engine is started on first use: its host's
+    engines (HOSTS) all at once, in one child, each result read as it comes."""
 
     def __init__(self, configs: dict):
         super().__init__()
         self.configs = configs
         self.events: dict[str, list[dict]] = {}  # name -> the engine's progress events
+        self.hosts: dict[str, object] = {}
 
     def __missing__(self, name: str):
-        target, spec, jobs, llm, *env = self.configs[name]
-        events = self.events[name] = []
-        # Engines run in-process (engine core and worker inside the engine script: starts in
-        # about half the time; vLLM's CPU platform calls that executor unsupported because of
-        # its OMP set-up, yet every engine test passes in it), but for base, which runs vLLM's
-        # default processes (the script, an engine core and a worker; the plugin loads in
-        # each); tests/test_serve.py serves trees through `vllm serve`.
-        env = {**({} if name == "base" else INPROC), **(env[0] if env else {})}
-        self[name] = run_engine(target, spec, jobs, llm=llm, progress=events.append, env=env,
-                                background_shutdown=True)
+        from engine_host import EngineHost
+
+        host = next((h for h, names in HOSTS.items() if name in names), None)
+        if host is None:
+            # base runs in vLLM's default processes (the script, an engine core and a worker;
+            # the plugin loads in each), lookup with the step profile, which is installed once
+            # per process (TREEDRAFT_PROFILE); tests/test_serve.py serves trees through
+            # `vllm serve`
+            target, spec, jobs, llm, *env = self.configs[name]
+            events = self.events[name] = []
+            env = {**({} if name == "base" else INPROC), **(env[0] if env else {})}
+            self[name] = run_engine(target, spec, jobs, llm=llm, progress=events.append,
+                                    env=env, background_shutdown=True)
+            return self[name]
+        # The others share a child (engine core and worker in-process: starts in about half
+        # the time; vLLM's CPU platform calls that executor unsupported because of its OMP
+        # set-up, yet every engine test passes in it)
+        if host not in self.hosts:
+            engines = {}
+            for n in HOSTS[host]:
+                target, spec, jobs, llm, *env = self.configs[n]
+                engines[n] = {"target": target, "spec": spec, "jobs": jobs, "llm": llm,
+                              "env": env[0] if env else {}}
+            self.hosts[host] = EngineHost(engines, env=HOST_ENV[host])
+        results, log, self.events[name] = self.hosts[host].get(name)
+        self[name] = results, log
         return self[name]
 
 
@@ -251,15 +280,13 @@ def runs(target, prompts, tokenizer, eagle3_export, medusa_export, tmp_path_fact
                    [j for j in jobs if j["name"] == "topk"], None),
         # the same folder in stock vLLM: its own EAGLE-3, treedraft's plugin not loaded (export)
         "stock_eagle3": (target, {"method": "eagle3", "model": eagle3_export,
-                                  "num_speculative_tokens": 3}, jobs[1:2], None,
-                         {"VLLM_PLUGINS": "none"}),
+                                  "num_speculative_tokens": 3}, jobs[1:2], None),
         # the shipped Medusa head exported to vLLM's Medusa format, in stock vLLM (export)
         "stock_medusa": (target, {"method": "medusa", "model": medusa_export,
-                                  "num_speculative_tokens": MEDUSA_K}, jobs[1:2], None,
-                         {"VLLM_PLUGINS": "none"}),
+                                  "num_speculative_tokens": MEDUSA_K}, jobs[1:2], None),
         # vLLM's own ngram with treedraft installed, and with treedraft's plugin not loaded
         "ngram": (target, NGRAM, jobs[1:2], None),
-        "ngram_stock": (target, NGRAM, jobs[1:2], None, {"VLLM_PLUGINS": "none"}),
+        "ngram_stock": (target, NGRAM, jobs[1:2], None),  # VLLM_PLUGINS=none (HOST_ENV)
         "lookup": (target, LOOKUP, jobs[:2], None, {PROFILE_ENV: str(profiles / "lookup.json")}),
         "medusa": (target, {"model": MEDUSA, "tree": MEDUSA_TREE}, greedy, None),
         # preemption (5 blocks of 128 tokens) and chunked prefill cutting trees (64-token steps)
