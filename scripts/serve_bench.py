@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f"configurations: {', '.join(configs)}", flush=True)
     ports: dict[str, int] = {}
     runs: list[dict] = []
+    procs: list[subprocess.Popen] = []
     with contextlib.ExitStack() as servers:
         for i, c in enumerate(configs):
             ports[c] = a.port + i
@@ -151,8 +152,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if specs[c] is not None:
                 cmd += ["--speculative-config", json.dumps(specs[c])]
             # one at a time: start-ups do not overlap
-            servers.enter_context(serving(cmd, ports[c], out / f"serve-{i}.log"))
+            procs.append(servers.enter_context(serving(cmd, ports[c], out / f"serve-{i}.log")))
             print(f"[serve_bench] {c}: vllm serve up on port {ports[c]}", flush=True)
+        # on the way out every server is asked to stop first, then each is waited for
+        servers.callback(lambda: [p.terminate() for p in procs if p.poll() is None])
         jobs = [(t, cc) for t in temps for cc in conc]
         for rnd, (t, cc), c in run_order(configs, jobs, a.rounds):
             name = f"{c}-T{t:g}-c{cc}-r{rnd}".replace("=", "_").replace(":", "_")
