@@ -264,7 +264,7 @@ def runs(target, prompts, tokenizer, eagle3_export, medusa_export, tmp_path_fact
     profiles = tmp_path_factory.mktemp("profile")  # step profiles (plugin/profile.py)
     capital = {"name": "capital", "prompts": [encode_chat(tokenizer, CAPITAL)],
                "params": {"temperature": 0, "max_tokens": 12}}
-    return Runs({
+    runs = Runs({
         "base": (target, None, [*jobs, serving, capital, shapes], None,
                  {PROFILE_ENV: str(profiles / "base.json")}),
         # chains by an EAGLE-3 head given in the speculators format (import)
@@ -305,6 +305,9 @@ def runs(target, prompts, tokenizer, eagle3_export, medusa_export, tmp_path_fact
                       {"dtype": "bfloat16", "logprobs_mode": "raw_logits"}),
         "tree_bf16": (target, TREE, greedy, {"dtype": "bfloat16"}),
     })
+    yield runs
+    for host in runs.hosts.values():
+        host.close()
 
 
 def test_engine_reports_progress_as_it_runs(runs):
