@@ -4,9 +4,10 @@ Speculation pays only when the tokens a step gains outweigh what its drafting an
 cost, and both sides depend on the machine (a GPU verifies 64 rows for the price of one, a
 2-core CPU does not), the batch size, the temperature and the text. Nothing of that is
 modelled here; it is measured. The policy chooses among a few fixed draft configurations, the
-*arms* (`arms_for`): drafting nothing, chains of 1-4 head nodes (with the request's
-prompt-lookup proposal grafted, where the spec has lookup nodes, for greedy requests) and the
-head's trees up to the spec's size. Whatever an arm's verification costs (CPU tree attention,
+*arms* (`arms_for`): drafting nothing, chains of 1-4 head nodes (where the spec has lookup
+nodes, for greedy requests each chain also with the request's prompt-lookup proposal grafted:
+the graft pays where rows are cheap, at batch 1, and loses where they are not) and the head's
+trees up to the spec's size. Whatever an arm's verification costs (CPU tree attention,
 a GPU kernel), its realized tokens per second per request is what ranks it: nothing to retune
 per machine.
 
@@ -23,13 +24,13 @@ that arm's too) and it ran no prefill chunk (`observe`'s `usable`). At each wind
    rows: where one size already loses, the next is measured only when exploration picks it);
 2. else every `explore_every`-th window plays the arm, other than the best, with the highest
    optimistic rate `rate * (1 + bonus / sqrt(steps / window))` (the next unmeasured arm counts
-   as the one below it, never measured): a near-best arm soon, one at half the best's rate
-   rarely;
+   as the one below it, never measured), if that beats the best's rate: a near-best arm soon,
+   one at half the best's rate only when its measurement has decayed to a few steps;
 3. else the arm with the best measured rate (tokens per request / seconds).
 
 All arms' sums in a context decay by `decay` at each of its windows, so what was measured long
 ago weighs less and a stale arm's optimism grows back: the text and the machine drift.
-Exploration costs at most one window in `explore_every`, spent on arms close to the best.
+Exploration costs at most one window in `explore_every`, spent on arms that may beat the best.
 """
 
 from __future__ import annotations
@@ -43,14 +44,15 @@ NONE = "none"  # the arm that drafts nothing
 
 def arms_for(head_nodes: int, max_depth: int | None, lookup: int, sampled: bool,
              tree_of: Callable[[int], str] | None = None) -> list[str]:
-    """The arms (tree spec strings, `NONE` for no drafts) of a sampling class: nothing; chains
-    of 1..4 head nodes (at most `max_depth` and `head_nodes`), with `lookup` nodes grafted for
-    greedy requests (a sampled request's chain is drawn from the head's q, which a graft would
-    turn into a tree); and where the head's spec branches (`tree_of(n)`: its n-node tree), its
-    trees of 8, 16, 32 and `head_nodes` nodes (each with the lookup nodes)."""
+    """The arms (tree spec strings, `NONE` for no drafts) of a sampling class, by size:
+    nothing; chains of 1..4 head nodes (at most `max_depth` and `head_nodes`), for greedy
+    requests each followed by itself with `lookup` nodes grafted (a sampled request's chain is
+    drawn from the head's q, which a graft would turn into a tree); and where the head's spec
+    branches (`tree_of(n)`: its n-node tree), its trees of 8, 16, 32 and `head_nodes` nodes
+    (each with the lookup nodes)."""
     depth = min(4, head_nodes, max_depth or 4)
-    graft = f"+lookup:{lookup}" if lookup and not sampled else ""
-    arms = [NONE] + [f"chain:{k}{graft}" for k in range(1, depth + 1)]
+    grafts = ["", f"+lookup:{lookup}"] if lookup and not sampled else [""]
+    arms = [NONE] + [f"chain:{k}{g}" for k in range(1, depth + 1) for g in grafts]
     if tree_of is not None:
         tail = f"+lookup:{lookup}" if lookup else ""
         arms += [tree_of(n) + tail for n in sorted({8, 16, 32, head_nodes})
@@ -152,5 +154,6 @@ class ArmBandit:
             return arms[i].rate * (1 + self.bonus / math.sqrt(max(arms[i].steps, 1.0)
                                                               / self.window))
 
-        return max((i for i in range(min(frontier + 1, len(arms))) if i != best),
+        pick = max((i for i in range(min(frontier + 1, len(arms))) if i != best),
                    key=optimistic)
+        return pick if optimistic(pick) > arms[best].rate else best
