@@ -54,7 +54,7 @@ class EngineHost:
         self.lines: list[str] = []
         self.current: str | None = None
         self.start: int | None = None
-        self.done = threading.Event()
+        self.ended = False  # the child exited and its output is read (under `lock`)
         self.lock = threading.Condition()
         self.paths = []
         for name, e in engines.items():
@@ -91,21 +91,21 @@ class EngineHost:
             for p in self.paths:
                 os.unlink(p)
             with self.lock:
-                self.done.set()
+                self.ended = True
                 self.lock.notify_all()
 
     def close(self) -> None:
         """Stop a child whose engines are not all done (tests that needed only some of them);
         one that is done shuts its last engine down on its own."""
         with self.lock:
-            if len(self.out) == len(self.names) or self.done.is_set():
+            if len(self.out) == len(self.names) or self.ended:
                 return
         self.proc.kill()
 
     def get(self, name: str) -> tuple[dict, str, list[dict]]:
         """(results, log, events) of engine `name`, once its jobs are done."""
         with self.lock:
-            while name not in self.out and not self.done.is_set():
+            while name not in self.out and not self.ended:
                 self.lock.wait()
             if name in self.out:
                 return self.out[name]
