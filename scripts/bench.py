@@ -33,8 +33,16 @@ size` of them run at once, the next starting as soon as one finishes (what a ser
 vLLM's continuous batching). Waves end with their slowest request, so a configuration that
 finishes some requests early (lookup on a repetitive reply) gains nothing there until the
 wave ends, while a queue refills the batch at once; `auto` maximises tokens per second of the
-running batch, what a queue measures. TPOT is each request's seconds from submission to its last
-token over its tokens, averaged. `--waves`: requests in waves of the batch size instead (with
+running batch, what a queue measures. A queue's tokens/s (and so its speedup) is its rate while
+the batch is full, what a server under steady load delivers: by Little's law, batch size x the
+tokens / the seconds (submission to end) of the requests that ran with `batch size` requests in
+flight throughout (scripts/engine.py's `full_batch`: all but the last few, which end in the
+drain after the queue empties). The drain would otherwise count against speculation alone:
+every request asks for the same number of tokens (`ignore_eos`), so without speculation a
+batch's requests end in the same step and the queue never drains, while speculation ends them
+steps apart and the last ones run at a smaller batch. `wall_tokens_per_s` in bench.json is the
+whole job's tokens over its wall time. TPOT is each request's seconds from submission to its
+last token over its tokens, averaged. `--waves`: requests in waves of the batch size instead (with
 several prompt groups each prompt runs once and a group smaller than the batch runs as one
 smaller wave: the batch column then says `8 (≤3)`); TPOT is then wave wall time / the wave's
 longest output.
@@ -180,10 +188,15 @@ def _row(config: str, job: dict, res: dict) -> dict:
     seconds = sum(res["wave_seconds"])
     bs = job["batch_size"]
     longest = [max(len(t) for t in res["tokens"][i : i + bs]) for i in range(0, len(res["tokens"]), bs)]
+    rate = None  # continuous: tokens/s while the batch is full (`full_batch_rate`)
     if "request_seconds" in res:  # continuous: per request, submission to last token
         per_token = [s / max(len(t), 1) for s, t in zip(res["request_seconds"], res["tokens"],
                                                           strict=True)]
         tpot = 1000 * sum(per_token) / len(per_token)
+        ran = [(len(t), s) for t, s, f in zip(res["tokens"], res["request_seconds"],
+                                               res.get("full_batch") or (), strict=False) if f]
+        if ran and all(s > 0 for _, s in ran):  # Little's law: bs in flight, each at its rate
+            rate = bs * sum(n for n, _ in ran) / sum(s for _, s in ran)
     else:  # waves: a wave's time over its longest output
         tpot = 1000 * sum(w / n for w, n in zip(res["wave_seconds"], longest, strict=True)
                           ) / len(longest)
@@ -193,8 +206,8 @@ def _row(config: str, job: dict, res: dict) -> dict:
         "config": config, "prompts": job.get("group", ""), "batch_size": bs,
         "largest_wave": min(bs, len(res["tokens"])),  # < batch_size: a small prompt group
         "temperature": job["params"]["temperature"],
-        "tokens": total, "seconds": seconds, "tokens_per_s": total / seconds,
-        "tpot_ms": tpot,
+        "tokens": total, "seconds": seconds, "tokens_per_s": rate or total / seconds,
+        "wall_tokens_per_s": total / seconds, "tpot_ms": tpot,
         "mean_acceptance_length": spec["mean_acceptance_length"],
         "passes": (passes := target_passes(total, spec["accepted"], steps, len(res["tokens"]))),
         "tau_per_pass": total / passes,
@@ -209,7 +222,8 @@ def _row(config: str, job: dict, res: dict) -> dict:
 
 def totals(rows: list[dict], sets: dict[str, list[str]]) -> list[dict]:
     """Rows of whole prompt sets summed from their groups' rows (sets: name -> group names):
-    tokens, seconds, accepted drafts and tokens per pass over all of the set's requests."""
+    tokens, seconds, accepted drafts and tokens per pass over all of the set's requests;
+    tokens/s as if each group's tokens came at that group's rate."""
     out = []
     runs = dict.fromkeys((r["config"], r["batch_size"], r["temperature"]) for r in rows)
     for name, groups in sets.items():
@@ -230,7 +244,10 @@ def totals(rows: list[dict], sets: dict[str, list[str]]) -> list[dict]:
             keys = list(dict.fromkeys(k for src in sources for k in src))
             out.append({
                 "config": config, "prompts": f"{name} (all)", "batch_size": bs, "temperature": t,
-                "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+                "tokens": tokens, "seconds": seconds,
+                # each group's tokens at its own rate (a queue's: while its batch was full)
+                "tokens_per_s": tokens / sum(r["tokens"] / r["tokens_per_s"] for r in part),
+                "wall_tokens_per_s": tokens / seconds,
                 "tpot_ms": sum(r["tpot_ms"] * r["seconds"] for r in part) / seconds,
                 "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
                 "passes": passes, "tau_per_pass": tokens / passes, "accepted": accepted,
@@ -291,7 +308,8 @@ def merge_rounds(rows: list[dict], baseline: str) -> list[dict]:
         m.update(tokens_per_s=statistics.median(r["tokens_per_s"] for r in same),
                  tpot_ms=statistics.median(r["tpot_ms"] for r in same),
                  speedup=statistics.median(speedups), speedup_range=[min(speedups), max(speedups)],
-                 round_tokens_per_s=[r["tokens_per_s"] for r in same])
+                 round_tokens_per_s=[r["tokens_per_s"] for r in same],
+                 wall_tokens_per_s=statistics.median(r["wall_tokens_per_s"] for r in same))
         for k in ("tokens", "seconds", "passes", "accepted", "drafts", "draft_tokens"):
             m[k] = sum(r[k] for r in same)
         vals = [r["mean_acceptance_length"] for r in same if r["mean_acceptance_length"]]

@@ -26,7 +26,8 @@ every position's returned [token, logprob] pairs largest first (`top_logprobs`: 
 `logprobs: k`, the top k and the sampled token's; raw logits under `logprobs_mode:
 raw_logits`), the
 finish reasons, the wall time of each wave (continuous: one for the whole job, and each
-request's seconds from its submission to its last token, `request_seconds`) and the change of
+request's seconds from its submission to its last token, `request_seconds`, and whether it
+ran with `batch_size` requests in flight throughout, `full_batch`) and the change of
 vLLM's spec-decode counters during the job
 (and, when `TREEDRAFT_PROFILE` is in the engine's environment, the change of the worker's step
 profile: seconds per phase, steps, scheduled tokens; plugin/profile.py). While it
@@ -258,10 +259,10 @@ def _run_job(llm, job: dict) -> dict:
     prof = os.environ.get(profile.PROFILE_ENV)  # the worker's step profile (plugin/profile.py)
     prof_before = profile.read(prof)
     tokens, logprobs, top, finish, waves, prompt_lps = [], [], [], [], [], []
-    request_seconds = None
+    request_seconds = full = None
     if job.get("continuous"):  # one run of the whole queue
         t = time.perf_counter()
-        outs, request_seconds = _continuous(llm, prompts, params, bs, job["name"])
+        outs, request_seconds, full = _continuous(llm, prompts, params, bs, job["name"])
         runs = [(outs, time.perf_counter() - t)]
     else:
         runs = _waves(llm, prompts, params, bs, job["name"])
@@ -291,7 +292,7 @@ def _run_job(llm, job: dict) -> dict:
            "prompt_logprobs": prompt_lps,
            "wave_seconds": waves, "spec": counter_delta(before, spec_counters(llm))}
     if request_seconds is not None:
-        out["request_seconds"] = request_seconds
+        out["request_seconds"], out["full_batch"] = request_seconds, full
     if prof:
         out["profile"] = profile.delta(prof_before, profile.read(prof))
     return out
@@ -308,10 +309,13 @@ def _waves(llm, prompts: list, params: list, bs: int, name: str):
 
 
 def _continuous(llm, prompts: list, params: list, bs: int, name: str
-                ) -> tuple[list, list[float]]:
+                ) -> tuple[list, list[float], list[bool]]:
     """Generate with at most `bs` requests in the engine, submitting the next prompt as soon
     as one finishes (what a server with a queue and continuous batching does): the outputs in
-    prompt order and each request's seconds from its submission to its end."""
+    prompt order, each request's seconds from its submission to its end, and whether `bs`
+    requests were in flight in its last step (`full_batch`; in flight never grows back once the
+    queue is empty, so such a request ran with `bs` requests throughout, none of it in the
+    drain at the end of the queue)."""
     from vllm.sampling_params import RequestOutputKind
 
     engine = llm.llm_engine
@@ -322,6 +326,7 @@ def _continuous(llm, prompts: list, params: list, bs: int, name: str
     outs: list = [None] * len(prompts)
     started = [0.0] * len(prompts)
     seconds = [0.0] * len(prompts)
+    full = [False] * len(prompts)
     nxt = running = 0
     while nxt < len(prompts) or running:
         while nxt < len(prompts) and running < bs:
@@ -329,13 +334,15 @@ def _continuous(llm, prompts: list, params: list, bs: int, name: str
             started[nxt] = time.perf_counter()
             where[engine.add_request(ids[nxt], prompts[nxt], params[nxt])] = nxt  # vLLM's id
             nxt, running = nxt + 1, running + 1
+        in_flight = running
         for o in engine.step():
             if o.finished:
                 i = where[o.request_id]
                 outs[i], seconds[i] = o, time.perf_counter() - started[i]
+                full[i] = in_flight == bs
                 running -= 1
                 _report({"job": name, "tokens": sum(len(c.token_ids) for c in o.outputs)})
-    return outs, seconds
+    return outs, seconds, full
 
 
 def _main(path: str) -> None:

@@ -189,8 +189,14 @@ def test_bench_continuous_jobs_and_their_tpot():
             "mean_acceptance_length": None}
     row = _row("no-spec", job, {"tokens": [[1] * 4, [2] * 2, [3] * 4], "wave_seconds": [2.0],
                                 "request_seconds": [0.8, 0.2, 1.2], "spec": spec})
-    assert row["tokens_per_s"] == 5.0
+    assert row["tokens_per_s"] == row["wall_tokens_per_s"] == 5.0  # no request ran at a full batch
     assert row["tpot_ms"] == pytest.approx(1000 * (0.2 + 0.1 + 0.3) / 3)
+    # the last request ran in the queue's drain (fewer than 2 in flight at its end): the rate is
+    # Little's law over the other two, 2 in flight at 6 tokens per 1.0 request-seconds
+    row = _row("no-spec", job, {"tokens": [[1] * 4, [2] * 2, [3] * 4], "wave_seconds": [2.0],
+                                "request_seconds": [0.8, 0.2, 1.2],
+                                "full_batch": [True, True, False], "spec": spec})
+    assert row["tokens_per_s"] == pytest.approx(12.0) and row["wall_tokens_per_s"] == 5.0
 
 
 
@@ -235,7 +241,8 @@ def test_bench_rounds_alternate_and_merge_to_paired_medians():
 
     def row(config, rnd, tok_s):
         return {"config": config, "round": rnd, "prompts": "", "batch_size": 1,
-                "temperature": 0.0, "tokens_per_s": tok_s, "tpot_ms": 1000 / tok_s,
+                "temperature": 0.0, "tokens_per_s": tok_s, "wall_tokens_per_s": tok_s,
+                "tpot_ms": 1000 / tok_s,
                 "tokens": 10, "seconds": 10 / tok_s, "mean_acceptance_length": None,
                 "mean_tree_size": None, "tau_per_pass": 1.0, "passes": 10, "accepted": 0,
                 "drafts": 0, "draft_tokens": 0, "acceptance_per_depth": []}

@@ -200,6 +200,12 @@ class Runs(dict):
         self.events: dict[str, list[dict]] = {}  # name -> the engine's progress events
         self.hosts: dict[str, object] = {}
 
+    def engine(self, name: str) -> dict:
+        """The configuration's (target, spec, jobs, llm[, env]) tuple as engine keywords."""
+        target, spec, jobs, llm, *env = self.configs[name]
+        return {"target": target, "spec": spec, "jobs": jobs, "llm": llm,
+                "env": env[0] if env else {}}
+
     def __missing__(self, name: str):
         from engine_host import EngineHost
 
@@ -209,22 +215,18 @@ class Runs(dict):
             # the plugin loads in each), lookup with the step profile, which is installed once
             # per process (TREEDRAFT_PROFILE); tests/test_serve.py serves trees through
             # `vllm serve`
-            target, spec, jobs, llm, *env = self.configs[name]
+            e = self.engine(name)
             events = self.events[name] = []
-            env = {**({} if name == "base" else INPROC), **(env[0] if env else {})}
-            self[name] = run_engine(target, spec, jobs, llm=llm, progress=events.append,
-                                    env=env, background_shutdown=True)
+            env = {**({} if name == "base" else INPROC), **e["env"]}
+            self[name] = run_engine(e["target"], e["spec"], e["jobs"], llm=e["llm"],
+                                    progress=events.append, env=env, background_shutdown=True)
             return self[name]
         # The others share a child (engine core and worker in-process: starts in about half
         # the time; vLLM's CPU platform calls that executor unsupported because of its OMP
         # set-up, yet every engine test passes in it)
         if host not in self.hosts:
-            engines = {}
-            for n in HOSTS[host]:
-                target, spec, jobs, llm, *env = self.configs[n]
-                engines[n] = {"target": target, "spec": spec, "jobs": jobs, "llm": llm,
-                              "env": env[0] if env else {}}
-            self.hosts[host] = EngineHost(engines, env=HOST_ENV[host])
+            self.hosts[host] = EngineHost({n: self.engine(n) for n in HOSTS[host]},
+                                          env=HOST_ENV[host])
         results, log, self.events[name] = self.hosts[host].get(name)
         self[name] = results, log
         return self[name]
@@ -459,6 +461,11 @@ def test_auto_under_a_queue_of_greedy_and_sampled_requests(runs, prompts, target
     assert len(res["request_seconds"]) == len(prompts) and len(res["wave_seconds"]) == 1
     # a queue of 3: the job took longer than any one request, less than all of them in a row
     assert max(res["request_seconds"]) < res["wave_seconds"][0] < sum(res["request_seconds"])
+    # requests that ran with 3 in flight throughout (treedraft bench's full-batch rate): every
+    # one that ended while the queue still held prompts, and the first to end after; not the
+    # last ones, which end in the drain (unless all three end in one step)
+    full = res["full_batch"]
+    assert len(full) == len(prompts) and len(prompts) - 2 <= sum(full) < len(prompts)
     assert res["spec"]["drafts"] > 0
 
 
