@@ -181,6 +181,17 @@ def target_passes(tokens: int, accepted: int, drafts: int, requests: int) -> int
     return max(tokens - accepted, drafts + requests, 1)
 
 
+def full_batch_rate(tokens: list[int], seconds: list[float], full: list[bool], batch: int
+                    ) -> float | None:
+    """A queue's tokens/s while `batch` requests are in flight, by Little's law: `batch` times
+    the tokens over the seconds (each request's, submission to end) of the requests that ran
+    with `batch` in flight throughout (`full`); None where none did."""
+    ran = [(n, s) for n, s, f in zip(tokens, seconds, full, strict=False) if f]
+    if not ran or sum(s for _, s in ran) <= 0:
+        return None
+    return batch * sum(n for n, _ in ran) / sum(s for _, s in ran)
+
+
 def _row(config: str, job: dict, res: dict) -> dict:
     from treedraft.plugin.profile import per_step_ms
 
@@ -193,10 +204,8 @@ def _row(config: str, job: dict, res: dict) -> dict:
         per_token = [s / max(len(t), 1) for s, t in zip(res["request_seconds"], res["tokens"],
                                                           strict=True)]
         tpot = 1000 * sum(per_token) / len(per_token)
-        ran = [(len(t), s) for t, s, f in zip(res["tokens"], res["request_seconds"],
-                                               res.get("full_batch") or (), strict=False) if f]
-        if ran and all(s > 0 for _, s in ran):  # Little's law: bs in flight, each at its rate
-            rate = bs * sum(n for n, _ in ran) / sum(s for _, s in ran)
+        rate = full_batch_rate([len(t) for t in res["tokens"]], res["request_seconds"],
+                               res.get("full_batch") or [], bs)
     else:  # waves: a wave's time over its longest output
         tpot = 1000 * sum(w / n for w, n in zip(res["wave_seconds"], longest, strict=True)
                           ) / len(longest)

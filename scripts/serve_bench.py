@@ -12,8 +12,12 @@ every server in turn, `--rounds` times, the order alternating (`bench.run_order`
 are the main job's (8 MT-bench first turns, `--stride 10`, as text in vLLM's `custom` dataset
 format: the client applies the chat template), `--ignore-eos` at `--max-new-tokens`, 4
 requests per concurrency slot (at least the 8 prompts, cycled), after `--num-warmups` of one
-request per slot. The speedup of a run is its output tokens/s over the baseline's (the first
-configuration's) in the same round; rows hold the median and range, as `treedraft bench`'s do.
+request per slot. A run's output tokens/s is its rate at full concurrency, as `treedraft
+bench` measures a queue (`bench.full_batch_rate` over the requests `at_full_concurrency`, from
+vLLM's detailed result: start times, latencies, output lengths); `wall_tokens_per_s` is vLLM's
+output throughput over the whole run, the drain at its end included. The speedup of a run is
+its tokens/s over the baseline's (the first configuration's) in the same round; rows hold the
+median and range, as `treedraft bench`'s do.
 Writes OUT/serve_bench.json (every run's `vllm bench serve` result) and OUT/serve_bench.md; each
 server's log is OUT/serve-N.log.
 """
@@ -30,6 +34,16 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+
+
+def at_full_concurrency(starts: list[float], latencies: list[float], concurrency: int
+                        ) -> list[bool]:
+    """Per request of a `vllm bench serve` run (its start times and latencies): whether
+    `concurrency` requests were in flight when it ended (itself included), i.e. it ran at full
+    concurrency throughout, none of it in the drain after the last request was sent."""
+    ends = [s + t for s, t in zip(starts, latencies, strict=True)]
+    return [sum(s <= e <= f for s, f in zip(starts, ends, strict=True)) >= concurrency
+            for e in ends]
 
 
 def summarize(runs: list[dict], baseline: str) -> list[dict]:
@@ -105,7 +119,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from treedraft.training.data import first_turn, load_prompts
     from treedraft.training.models import resolve_model
 
-    from .bench import PRESETS, run_order, speculative_config
+    from .bench import PRESETS, full_batch_rate, run_order, speculative_config
 
     q = PRESETS["quick"]
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -166,18 +180,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    "--custom-output-len", str(a.max_new_tokens), "--ignore-eos",
                    "--num-prompts", str(n), "--max-concurrency", str(cc),
                    "--temperature", str(t), "--num-warmups", str(cc), "--disable-tqdm",
-                   "--save-result", "--result-dir", str(out), "--result-filename",
-                   f"{name}.json"]
+                   "--save-result", "--save-detailed", "--result-dir", str(out),
+                   "--result-filename", f"{name}.json"]
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
                 raise RuntimeError(f"vllm bench serve failed for {c}:\n{r.stdout[-3000:]}"
                                    f"{r.stderr[-3000:]}")
             res = json.loads((out / f"{name}.json").read_text())
+            full = at_full_concurrency(res["start_times"], res["latencies"], cc)
+            rate = full_batch_rate(res["output_lens"], res["latencies"], full, cc)
             runs.append({"config": c, "temperature": t, "concurrency": cc, "round": rnd,
-                         "tokens_per_s": res["output_throughput"],
+                         "tokens_per_s": rate or res["output_throughput"],
+                         "wall_tokens_per_s": res["output_throughput"],
                          "completed": res["completed"]})
             print(f"[serve_bench] round {rnd + 1} T={t:g} concurrency {cc} {c}: "
-                  f"{res['output_throughput']:.1f} output tok/s", flush=True)
+                  f"{runs[-1]['tokens_per_s']:.1f} output tok/s at full concurrency "
+                  f"({res['output_throughput']:.1f} over the whole run)", flush=True)
     rows = summarize(runs, configs[0])
     (out / "serve_bench.json").write_text(json.dumps({"runs": runs, "rows": rows}, indent=1))
     table = markdown(rows)

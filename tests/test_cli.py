@@ -542,6 +542,21 @@ def test_serve_bench_pairs_each_round_with_its_baseline():
     assert "| auto | 0 | 1 | 27.0 | 1.50x (1.50-1.50) |" in markdown(list(rows.values()))
 
 
+def test_serve_bench_rates_requests_that_ran_at_full_concurrency():
+    """The client's detailed result (start times, latencies) marks the requests that ended with
+    `concurrency` in flight: the last ones, ending in the drain, are left out of the rate."""
+    from treedraft.scripts.bench import full_batch_rate
+    from treedraft.scripts.serve_bench import at_full_concurrency
+
+    # concurrency 2: a and b start at 0; c starts when a ends (1.0); b ends at 1.5 with c in
+    # flight; then c runs alone until 2.5
+    starts, latencies = [0.0, 0.0, 1.0], [1.0, 1.5, 1.5]
+    full = at_full_concurrency(starts, latencies, 2)
+    assert full == [True, True, False]
+    assert full_batch_rate([10, 15, 15], latencies, full, 2) == pytest.approx(2 * 25 / 2.5)
+    assert full_batch_rate([10], [1.0], [False], 2) is None
+
+
 def test_machine_command_prints_flags_and_dtype():
     from treedraft.heads.machine import default_dtype
 
