@@ -21,11 +21,12 @@ that arm's too) and it ran no prefill chunk (`observe`'s `usable`). At each wind
 
 1. the arms are ordered by size; the smallest not measured yet in this context is played while
    the largest measured one ran at least `sweep` times the best rate (larger trees cost more
-   rows: where one size already loses, the next is measured only when exploration picks it);
-2. else every `explore_every`-th window plays the arm, other than the best, with the highest
-   optimistic rate `rate * (1 + bonus / sqrt(steps / window))` (the next unmeasured arm counts
-   as the one below it, never measured), if that beats the best's rate: a near-best arm soon,
-   one at half the best's rate only when its measurement has decayed to a few steps;
+   rows: where one size already loses, the next is measured only once a later measurement,
+   by exploration, puts the arm below it near the best);
+2. else every `explore_every`-th window plays the measured arm, other than the best, with the
+   highest optimistic rate `rate * (1 + bonus / sqrt(steps / window))`, if that beats the best's
+   rate: a near-best arm soon, one at half the best's rate only when its measurement has
+   decayed to a few steps;
 3. else the arm with the best measured rate (tokens per request / seconds).
 
 All arms' sums in a context decay by `decay` at each of its windows, so what was measured long
@@ -148,12 +149,9 @@ class ArmBandit:
         if n % self.explore_every or len(arms) == 1:
             return best
 
-        def optimistic(i: int) -> float:  # the frontier: as good as the arm below it, at best
-            if i == frontier:
-                return arms[frontier - 1].rate
+        def optimistic(i: int) -> float:
             return arms[i].rate * (1 + self.bonus / math.sqrt(max(arms[i].steps, 1.0)
                                                               / self.window))
 
-        pick = max((i for i in range(min(frontier + 1, len(arms))) if i != best),
-                   key=optimistic)
+        pick = max((i for i in seen if i != best), key=optimistic, default=best)
         return pick if optimistic(pick) > arms[best].rate else best

@@ -86,9 +86,9 @@ def test_a_step_counts_only_when_the_step_before_ran_the_same_arm():
 
 
 def test_larger_untried_arms_are_explored_only_as_good_as_the_arm_below():
-    """Where the sweep stopped (a small arm already loses), the next larger arm counts, for
-    exploration, as the arm below it without a bonus: it is tried only when that arm's rate
-    beats the others' optimistic rates, not at every exploration."""
+    """Where the sweep stopped (a small arm already loses), the next larger arm is not an
+    exploration candidate: it is tried only by the sweep, once the arm below it runs near the
+    best, not at every exploration."""
     arms = [NONE, "chain:1", "chain:2", "tree:8", "tree:16", "tree:32"]
     true = dict(zip(arms, (30.0, 24.0, 20.0, 15.0, 10.0, 6.0), strict=True))
     b = ArmBandit({False: arms, True: [NONE]})
