@@ -108,20 +108,43 @@ class SlotLayout:
         b = blocks[..., None]
         return kc[b, self.k_off[slots]], vc[b, self.v_off[slots]]
 
-    def copy(self, kv_cache: torch.Tensor, src_block, src_slot, dst_block, dst_slot) -> None:
-        """K/V of (src_block, src_slot) to (dst_block, dst_slot), every KV head: one gather, then
-        one scatter (see tree_kernel.copy_slots for when that equals copying in order)."""
-        kc, vc = self.views(kv_cache)
-        sb, db = src_block[:, None], dst_block[:, None]
-        kc[db, self.k_off[dst_slot]] = kc[sb, self.k_off[src_slot]]
-        vc[db, self.v_off[dst_slot]] = vc[sb, self.v_off[src_slot]]
+    def elements(self, slots: torch.Tensor, heads: int) -> torch.Tensor:
+        """Indices into a contiguous cache [nb, heads, bs, 2D] flattened (`flat(kv_cache)`) of
+        every K and V element of `slots` (long, slot = block * bs + offset), every KV head:
+        [2 * len(slots) * heads * D]. Computed once per step; a layer's copy is then one
+        index_select and one index_copy_ (advanced indexing of the strided `views` cost about
+        3x as much per layer on a 2-core CPU)."""
+        bs, n = self.k_off.shape
+        n *= bs  # elements of a block's K half (and of its V half) per KV head
+        row = ((slots // bs)[:, None] * heads + torch.arange(heads)) * (2 * n)  # [s, heads]
+        off = slots % bs
+        k = row[:, :, None] + self.k_off[off][:, None, :]
+        v = row[:, :, None] + (n + self.v_off[off][:, None, :])
+        return torch.cat((k.reshape(-1), v.reshape(-1)))
 
     def copy_slots(self, kv_cache: torch.Tensor, src, dst) -> None:
         """K/V of slots `src` to slots `dst` (slot = block * block_size + offset)."""
         src, dst = torch.as_tensor(src, dtype=torch.long), torch.as_tensor(dst, dtype=torch.long)
         if src.numel():
-            bs = kv_cache.shape[2]
-            self.copy(kv_cache, src // bs, src % bs, dst // bs, dst % bs)
+            heads = kv_cache.shape[1]
+            copy_elements(kv_cache, self.elements(src, heads), self.elements(dst, heads))
+
+
+def flat(kv_cache: torch.Tensor) -> torch.Tensor:
+    """A layer's cache as one dimension, the view `SlotLayout.elements` indexes."""
+    if not kv_cache.is_contiguous():
+        raise NotImplementedError(
+            "treedraft tree mode copies K/V slots of a contiguous CPU KV cache per layer; this "
+            f"vLLM's cache has strides {tuple(kv_cache.stride())} for shape "
+            f"{tuple(kv_cache.shape)}: use a chain tree ('chain:K')")
+    return kv_cache.view(-1)
+
+
+def copy_elements(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Cache elements `src` to `dst` (`SlotLayout.elements`): one gather, then one scatter (see
+    tree_kernel.copy_slots for when that equals copying in order)."""
+    f = flat(kv_cache)
+    f.index_copy_(0, dst, f.index_select(0, src))
 
 
 @functools.cache
@@ -270,6 +293,7 @@ class TreeSeqs:
         self.src_block, self.src_off, self.dst_block, self.dst_off = s[:, 0], s[:, 1], d[:, 0], d[:, 1]
         t = torch.tensor(tails, dtype=torch.long).view(-1, 2)
         self.tail_src, self.tail_dst = t[:, 0], t[:, 1]
+        self._elements = None  # (layout, heads, src, dst): `SlotLayout.elements` of the chains
         self._md = md
         self._meta = None
         self._batch = None
@@ -296,7 +320,14 @@ class TreeSeqs:
         if len(self.tail_src):
             kv_cache.index_copy_(0, self.tail_dst, kv_cache.index_select(0, self.tail_src))
         if len(self.src_block):
-            layout.copy(kv_cache, self.src_block, self.src_off, self.dst_block, self.dst_off)
+            heads = kv_cache.shape[1]
+            e = self._elements
+            if e is None or e[0] is not layout or e[1] != heads:  # once per step
+                bs = kv_cache.shape[2]
+                e = self._elements = (
+                    layout, heads, layout.elements(self.src_block * bs + self.src_off, heads),
+                    layout.elements(self.dst_block * bs + self.dst_off, heads))
+            copy_elements(kv_cache, e[2], e[3])
 
     def batch(self, block_table: torch.Tensor, block_size: int):
         """The leftover trees as one torch attention batch (`TreeBatch`), built once."""

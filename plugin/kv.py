@@ -47,8 +47,21 @@ def compact_accepted(runner, step) -> int:
                 moves_src.append(int(slot_mapping[req.qs + a]))
                 moves_dst.append(int(slot_mapping[req.qs + j]))
     if moves_src:
+        src = torch.tensor(moves_src, dtype=torch.long)
+        dst = torch.tensor(moves_dst, dtype=torch.long)
+        elements = {}  # CPU: per slot layout and KV heads, the moves' cache elements
         for kv, isa in attention_caches(runner):
-            copy_kv_slots(kv, moves_src, moves_dst, isa)
+            if isa is None:  # CUDA layers (vLLM's `flash` layout)
+                copy_kv_slots(kv, src, dst)
+                continue
+            from .attention_cpu import copy_elements, slot_layout  # CPU only
+
+            layout = slot_layout(kv, isa)
+            key = (id(layout), kv.shape[1])
+            if key not in elements:
+                elements[key] = (layout.elements(src, kv.shape[1]),
+                                 layout.elements(dst, kv.shape[1]))
+            copy_elements(kv, *elements[key])
     return len(moves_src)
 
 

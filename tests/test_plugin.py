@@ -421,6 +421,34 @@ def test_copy_slots_moves_accepted_kv_to_sequential_slots(isa, dtype):
     assert torch.equal(k2[:, :root + 1], K[: root + 1].transpose(0, 1))
 
 
+def test_slot_copies_index_the_flattened_cache_and_refuse_a_strided_one():
+    """`SlotLayout.elements` addresses every K and V element of a slot, all KV heads, in the
+    flattened cache: copying slots through them moves exactly those slots and nothing else. A
+    cache that is not contiguous has no such flat view: refused with a message."""
+    from treedraft.plugin.attention_cpu import slot_layout
+
+    _load_vllm_ops()
+    torch.manual_seed(2)
+    kv = torch.randn(6, 3, 32, 2 * 64)
+    layout = slot_layout(kv, "vec")
+    before = kv.clone()
+    src, dst = [5, 40, 70], [100, 101, 190]  # slot = block * 32 + offset, across blocks
+    layout.copy_slots(kv, src, dst)
+    b, o = torch.tensor(dst) // 32, torch.tensor(dst) % 32
+    k, v = layout.read(kv, b, o)
+    k0, v0 = layout.read(before, torch.tensor(src) // 32, torch.tensor(src) % 32)
+    assert torch.equal(k, k0) and torch.equal(v, v0)
+    moved = torch.zeros(6 * 32, dtype=torch.bool)
+    moved[dst] = True  # every other slot is untouched
+    for s in (~moved).nonzero().flatten().tolist():
+        ks, vs = layout.read(kv, torch.tensor(s // 32), torch.tensor(s % 32))
+        kb, vb = layout.read(before, torch.tensor(s // 32), torch.tensor(s % 32))
+        assert torch.equal(ks, kb) and torch.equal(vs, vb)
+    strided = torch.randn(6, 32, 3, 128).transpose(1, 2)
+    with pytest.raises(NotImplementedError, match="contiguous CPU KV cache"):
+        layout.copy_slots(strided, src, dst)
+
+
 def test_a_tree_step_that_never_reached_tree_attention_is_refused():
     """A forward whose token count is not the step's gets no step in its metadata (profiling
     and warm-up runs); if the step's own forward ever did, its trees would have been computed
