@@ -22,7 +22,10 @@ that arm's too) and it ran no prefill chunk (`observe`'s `usable`). At each wind
 1. the arms are ordered by size; the smallest not measured yet in this context is played while
    the largest measured one ran at least `sweep` times the best rate (larger trees cost more
    rows: where one size already loses, the next is measured only once a later measurement,
-   by exploration, puts the arm below it near the best);
+   by exploration, puts the arm below it near the best). The arm that stops the sweep is first
+   played for a second window: what a window accepts varies with its text several-fold (a
+   grafted arm's window on a prompt without lookup hits), and one unlucky window would
+   otherwise keep every larger arm unmeasured until exploration returns to it;
 2. else every `explore_every`-th window plays the measured arm, other than the best, with the
    highest optimistic rate `rate * (1 + bonus / sqrt(steps / window))`, if that beats the best's
    rate: a near-best arm soon, one at half the best's rate only when its measurement has
@@ -71,6 +74,7 @@ class Arm:
     tokens: float = 0.0  # per request
     seconds: float = 0.0
     steps: float = 0.0
+    windows: int = 0  # windows it was chosen for (not decayed)
 
     @property
     def rate(self) -> float:
@@ -100,6 +104,7 @@ class ArmBandit:
         if ctx != self.ctx or self.left <= 0:
             self.ctx, self.left = ctx, self.window
             self.arm = self._choose(ctx)
+            self.stats[ctx][self.arm].windows += 1
         self.left -= 1
         return self.arms[ctx[1]][self.arm]
 
@@ -143,9 +148,9 @@ class ArmBandit:
         seen = [i for i, a in enumerate(arms) if a.steps > 0]
         best = max(seen, key=lambda i: arms[i].rate, default=0)
         frontier = len(seen)  # arms are ordered by size: the next one not measured yet
-        if frontier < len(arms) and (frontier == 0 or arms[frontier - 1].rate
-                                     >= self.sweep * arms[best].rate):
-            return frontier  # sweep up while the largest arm measured is near the best
+        pick = self._sweep(arms, frontier, best)
+        if pick is not None:
+            return pick
         if n % self.explore_every or len(arms) == 1:
             return best
 
@@ -155,3 +160,13 @@ class ArmBandit:
 
         pick = max((i for i in seen if i != best), key=optimistic, default=best)
         return pick if optimistic(pick) > arms[best].rate else best
+
+    def _sweep(self, arms: list[Arm], frontier: int, best: int) -> int | None:
+        """The arm the sweep plays (module doc, 1.), or None once it stopped."""
+        if frontier == len(arms):
+            return None
+        if frontier == 0 or arms[frontier - 1].rate >= self.sweep * arms[best].rate:
+            return frontier  # sweep up while the largest arm measured is near the best
+        if arms[frontier - 1].windows < 2:
+            return frontier - 1  # it stops the sweep: measured in a second window first
+        return None

@@ -149,3 +149,26 @@ def test_exploration_skips_an_arm_that_cannot_beat_the_best():
     played = run(b, lambda a, t: 30.0 if a == NONE else 15.0, 4000, noise=0.05)
     assert b.best((1, False)) == NONE
     assert 0 < played["chain:1"] < 0.06 * 4000, played
+
+
+def test_one_unlucky_window_does_not_end_the_sweep():
+    """What a window accepts varies with its text several-fold: the arm whose first window
+    stops the sweep (here `chain:1`, its first window at half the rate of drafting nothing, every
+    later one above it) is played for a second window before the sweep gives up on the larger
+    arms, so the best arm (`chain:2`) is found in the first few windows, not after exploration
+    has waited out the unlucky measurement (~250 steps)."""
+    arms = [NONE, "chain:1", "chain:2", "chain:3"]
+    true = dict(zip(arms, (20.0, 26.0, 30.0, 28.0), strict=True))
+    b = ArmBandit({False: arms, True: [NONE]})
+    seen = {"chain:1": 0}
+
+    def rate(arm, t):
+        if arm == "chain:1":
+            seen[arm] += 1
+            if seen[arm] <= 8:  # its first window: a prompt where the head's drafts miss
+                return 10.0
+        return true[arm]
+
+    played = run(b, rate, 400, noise=0.0)
+    assert played["chain:2"] > 0.75 * 400, played
+    assert b.best(context(1, 0)) == "chain:2"
