@@ -361,12 +361,21 @@ class TreeBatch:
             self.q_rows[b] = t.qs + torch.arange(m).clamp(max=t.size - 1)
             self.row_valid[b, : t.size] = True
         self.out_rows = self.q_rows[self.row_valid]  # output rows, in o[row_valid] order
+        self._elements = None  # (layout, heads, indices): `SlotLayout.elements` of the slots
 
     def gather(self, kv_cache: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [B, Hkv, S, D] of slots 0..S-1 of each tree's request, zero where a slot is past
-        the request's prefix + tree."""
-        k, v = gather_blocks(kv_cache, layout, self.blocks, self.S)
-        return k.masked_fill(~self.kv_valid, 0), v.masked_fill(~self.kv_valid, 0)
+        the request's prefix + tree: one index_select of the flattened cache per layer, at
+        element indices computed at the step's first layer (`SlotLayout.elements`)."""
+        B, S, heads = len(self.blocks), self.S, kv_cache.shape[1]
+        e = self._elements
+        if e is None or e[0] is not layout or e[1] != heads:
+            bs = kv_cache.shape[2]
+            pos = torch.arange(S)
+            slots = self.blocks[:, pos // bs] * bs + pos % bs  # [B, S]
+            e = self._elements = (layout, heads, layout.elements(slots.reshape(-1), heads))
+        kv = flat(kv_cache).index_select(0, e[2]).view(2, B, S, heads, -1).transpose(2, 3)
+        return kv[0].masked_fill(~self.kv_valid, 0), kv[1].masked_fill(~self.kv_valid, 0)
 
 
 class TreeCPUAttentionBackend(CPUAttentionBackend):
