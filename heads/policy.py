@@ -23,9 +23,10 @@ that arm's too) and it ran no prefill chunk (`observe`'s `usable`). At each wind
    the largest measured one ran at least `sweep` times the best rate (larger trees cost more
    rows: where one size already loses, the next is measured only once a later measurement,
    by exploration, puts the arm below it near the best). The arm that stops the sweep is first
-   played for a second window: what a window accepts varies with its text several-fold (a
-   grafted arm's window on a prompt without lookup hits), and one unlucky window would
-   otherwise keep every larger arm unmeasured until exploration returns to it;
+   played for a second window: what a window accepts varies with its text several-fold (one
+   measured 19.7 tokens/s per request where the same arm's later windows measured 55-65), and
+   one unlucky window would otherwise keep every larger arm unmeasured until exploration
+   returns to it;
 2. else every `explore_every`-th window plays the measured arm, other than the best, with the
    highest optimistic rate `rate * (1 + bonus / sqrt(steps / window))`, if that beats the best's
    rate: a near-best arm soon, one at half the best's rate only when its measurement has
