@@ -15,7 +15,7 @@ Modules, one per vLLM subsystem touched (every patch goes through ``patching.app
 - ``tree_step``, ``attention_cpu``, ``kv``: one tree verification step: positions and masks,
   tree attention on the CPU backend, accepted-path KV compaction (worker, tree mode).
 - ``scratch``: the last KV blocks kept from the scheduler as tree-attention scratch (engine core,
-  tree mode).
+  tree mode); on CPU, tree mode's KV block size (frontend).
 - ``metrics``: accepted-depth and tree-size metrics in /metrics and the log line (frontend).
 - ``profile``: per-phase step times when ``TREEDRAFT_PROFILE`` names a file (worker; any engine).
 """
@@ -56,7 +56,7 @@ def register() -> None:
     if os.environ.get(profile.PROFILE_ENV):  # step profile: every runner of this process
         patching.apply(profile.WORKER_PATCHES)
     if current_platform.is_cpu():
-        patching.apply(sampler.CPU_PATCHES)
+        patching.apply(sampler.CPU_PATCHES + scratch.CPU_CONFIG_PATCHES)
     _registered = True
     # A child of vLLM's logger, so the line shows with vLLM's own formatting in every process.
     init_logger("vllm.treedraft").info(

@@ -13,6 +13,9 @@ rows get the kernel's numerics (the same as chains and no-spec rows), the prefix
 kernel as for any sequence, and the cost added by a tree grows with its number of chains and
 the block size, not with the prefix length.
 
+On CPU a tree-mode engine runs KV blocks of 32 tokens unless `--block-size` is given
+(plugin/scratch.py `TREE_BLOCK_SIZE`), which keeps the copied partial blocks small.
+
 Trees that do not fit in the step's scratch blocks (or when there are none: a cache too small,
 `"scratch_blocks": 0` in --speculative-config) are recomputed in torch after the kernel (`TreeBatch`): K/V of the
 request's prefix and tree are read back from the paged cache and one masked
@@ -122,12 +125,6 @@ class SlotLayout:
         v = row[:, :, None] + (n + self.v_off[off][:, None, :])
         return torch.cat((k.reshape(-1), v.reshape(-1)))
 
-    def copy_slots(self, kv_cache: torch.Tensor, src, dst) -> None:
-        """K/V of slots `src` to slots `dst` (slot = block * block_size + offset)."""
-        src, dst = torch.as_tensor(src, dtype=torch.long), torch.as_tensor(dst, dtype=torch.long)
-        if src.numel():
-            heads = kv_cache.shape[1]
-            copy_elements(kv_cache, self.elements(src, heads), self.elements(dst, heads))
 
 
 def flat(kv_cache: torch.Tensor) -> torch.Tensor:
@@ -145,6 +142,32 @@ def copy_elements(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) 
     tree_kernel.copy_slots for when that equals copying in order)."""
     f = flat(kv_cache)
     f.index_copy_(0, dst, f.index_select(0, src))
+
+
+class Slots:
+    """Cache slots (long, slot = block * block_size + offset) a step reads or writes in every
+    layer: their elements (`SlotLayout.elements`) are computed at the first layer of each
+    (layout, KV heads) and reused by the others."""
+
+    def __init__(self, slots: torch.Tensor) -> None:
+        self.slots = slots
+        self._elements: dict[tuple[int, int], torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def elements(self, layout: SlotLayout, heads: int) -> torch.Tensor:
+        key = (id(layout), heads)  # layouts live as long as the process (`_slot_layout`)
+        e = self._elements.get(key)
+        if e is None:
+            e = self._elements[key] = layout.elements(self.slots, heads)
+        return e
+
+
+def copy_slots(kv_cache: torch.Tensor, layout: SlotLayout, src: Slots, dst: Slots) -> None:
+    """This layer's K/V of slots `src` to slots `dst`."""
+    heads = kv_cache.shape[1]
+    copy_elements(kv_cache, src.elements(layout, heads), dst.elements(layout, heads))
 
 
 @functools.cache
@@ -290,10 +313,9 @@ class TreeSeqs:
         n = md.num_actual_tokens
         self.perm = None if torch.equal(order, torch.arange(n)) else order
         s, d = torch.tensor(src, dtype=torch.long).view(-1, 2), torch.tensor(dst).view(-1, 2)
-        self.src_block, self.src_off, self.dst_block, self.dst_off = s[:, 0], s[:, 1], d[:, 0], d[:, 1]
+        self.src, self.dst = Slots(s[:, 0] * bs + s[:, 1]), Slots(d[:, 0] * bs + d[:, 1])
         t = torch.tensor(tails, dtype=torch.long).view(-1, 2)
         self.tail_src, self.tail_dst = t[:, 0], t[:, 1]
-        self._elements = None  # (layout, heads, src, dst): `SlotLayout.elements` of the chains
         self._md = md
         self._meta = None
         self._batch = None
@@ -319,15 +341,8 @@ class TreeSeqs:
         """This layer's prefix tails and chains into the scratch blocks."""
         if len(self.tail_src):
             kv_cache.index_copy_(0, self.tail_dst, kv_cache.index_select(0, self.tail_src))
-        if len(self.src_block):
-            heads = kv_cache.shape[1]
-            e = self._elements
-            if e is None or e[0] is not layout or e[1] != heads:  # once per step
-                bs = kv_cache.shape[2]
-                e = self._elements = (
-                    layout, heads, layout.elements(self.src_block * bs + self.src_off, heads),
-                    layout.elements(self.dst_block * bs + self.dst_off, heads))
-            copy_elements(kv_cache, e[2], e[3])
+        if len(self.src):
+            copy_slots(kv_cache, layout, self.src, self.dst)
 
     def batch(self, block_table: torch.Tensor, block_size: int):
         """The leftover trees as one torch attention batch (`TreeBatch`), built once."""
@@ -361,20 +376,17 @@ class TreeBatch:
             self.q_rows[b] = t.qs + torch.arange(m).clamp(max=t.size - 1)
             self.row_valid[b, : t.size] = True
         self.out_rows = self.q_rows[self.row_valid]  # output rows, in o[row_valid] order
-        self._elements = None  # (layout, heads, indices): `SlotLayout.elements` of the slots
+        pos = torch.arange(S)
+        self.slots = Slots((self.blocks[:, pos // block_size] * block_size
+                            + pos % block_size).reshape(-1))  # [B * S]
 
     def gather(self, kv_cache: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [B, Hkv, S, D] of slots 0..S-1 of each tree's request, zero where a slot is past
         the request's prefix + tree: one index_select of the flattened cache per layer, at
         element indices computed at the step's first layer (`SlotLayout.elements`)."""
         B, S, heads = len(self.blocks), self.S, kv_cache.shape[1]
-        e = self._elements
-        if e is None or e[0] is not layout or e[1] != heads:
-            bs = kv_cache.shape[2]
-            pos = torch.arange(S)
-            slots = self.blocks[:, pos // bs] * bs + pos % bs  # [B, S]
-            e = self._elements = (layout, heads, layout.elements(slots.reshape(-1), heads))
-        kv = flat(kv_cache).index_select(0, e[2]).view(2, B, S, heads, -1).transpose(2, 3)
+        kv = flat(kv_cache).index_select(0, self.slots.elements(layout, heads))
+        kv = kv.view(2, B, S, heads, -1).transpose(2, 3)
         return kv[0].masked_fill(~self.kv_valid, 0), kv[1].masked_fill(~self.kv_valid, 0)
 
 

@@ -49,19 +49,15 @@ def compact_accepted(runner, step) -> int:
     if moves_src:
         src = torch.tensor(moves_src, dtype=torch.long)
         dst = torch.tensor(moves_dst, dtype=torch.long)
-        elements = {}  # CPU: per slot layout and KV heads, the moves' cache elements
+        cpu = None  # CPU: (src, dst) as attention_cpu.Slots, their elements shared by the layers
         for kv, isa in attention_caches(runner):
             if isa is None:  # CUDA layers (vLLM's `flash` layout)
                 copy_kv_slots(kv, src, dst)
                 continue
-            from .attention_cpu import copy_elements, slot_layout  # CPU only
+            from .attention_cpu import Slots, copy_slots, slot_layout  # CPU only
 
-            layout = slot_layout(kv, isa)
-            key = (id(layout), kv.shape[1])
-            if key not in elements:
-                elements[key] = (layout.elements(src, kv.shape[1]),
-                                 layout.elements(dst, kv.shape[1]))
-            copy_elements(kv, *elements[key])
+            cpu = cpu or (Slots(src), Slots(dst))
+            copy_slots(kv, slot_layout(kv, isa), *cpu)
     return len(moves_src)
 
 
@@ -71,9 +67,11 @@ def copy_kv_slots(kv_cache: torch.Tensor, src: list[int], dst: list[int],
     the layout vLLM's CPU kernel writes for its layer's `isa`; isa None (CUDA layers have none)
     vLLM's CUDA (`flash`) layout."""
     if isa is not None:
-        from .attention_cpu import slot_layout  # imports vLLM's CPU backend: CPU only
+        from .attention_cpu import Slots, copy_slots, slot_layout  # imports vLLM's CPU backend
 
-        slot_layout(kv_cache, isa).copy_slots(kv_cache, src, dst)
+        src, dst = torch.as_tensor(src, dtype=torch.long), torch.as_tensor(dst, dtype=torch.long)
+        if src.numel():
+            copy_slots(kv_cache, slot_layout(kv_cache, isa), Slots(src), Slots(dst))
         return
     k, v = tree_kernel.kv_views(kv_cache, kv_cache.shape[-1] // 2, "flash")
     tree_kernel.copy_slots(k, v, src, dst)

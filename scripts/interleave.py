@@ -103,6 +103,9 @@ def main(argv=None) -> None:
                    help="also time each engine's step phases (plugin/profile.py) and print "
                         "milliseconds per step by phase and engine")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="every engine's KV block size (default: vLLM's choice; on CPU 128, and "
+                        "32 for treedraft's tree-mode engines)")
     p.add_argument("--out", default="runs/interleave.json")
     args = p.parse_args(argv)
     if len(set(args.config)) != len(args.config):
@@ -139,7 +142,8 @@ def main(argv=None) -> None:
           f"{args.passes} passes, {dtype}",
           flush=True)
     kw = {"enforce_eager": True, "max_model_len": 2048, "dtype": dtype, "seed": 0,
-          "max_num_seqs": max_num_seqs}
+          "max_num_seqs": max_num_seqs,
+          **({"block_size": args.block_size} if args.block_size else {})}
     engines = {}
     for c, spec in specs.items():
         print(f"[interleave] starting engine: {c}", flush=True)

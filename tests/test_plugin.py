@@ -354,20 +354,25 @@ def test_tree_rows_attend_to_prefix_and_ancestors_only(scratch, isa, dtype):
 
 
 def test_scratch_blocks_fit_the_cache():
-    """Tree scratch: up to SCRATCH_BLOCKS (or the engine's `scratch_blocks`), at most 1/8 of the
-    cache, and never so many that one request of max_model_len no longer fits (then none: torch
-    tree attention). The count is the engine's own setting, carried in its config."""
-    from treedraft.plugin.scratch import SCRATCH_BLOCKS, scratch_count, scratch_range
+    """Tree scratch: SCRATCH_SLOTS tokens' worth of blocks (or the engine's `scratch_blocks`), at
+    most 1/8 of the cache, and never so many that one request of max_model_len no longer fits
+    (then none: torch tree attention). The count is the engine's own setting, carried in its
+    config."""
+    from treedraft.plugin.scratch import SCRATCH_SLOTS, scratch_count, scratch_range
 
-    assert scratch_count(690, 128, 2048) == SCRATCH_BLOCKS == 32
+    assert SCRATCH_SLOTS == 4096
+    assert scratch_count(690, 128, 2048) == 32
+    assert scratch_count(2760, 32, 2048) == 128  # the same tokens in blocks of 32
     assert scratch_count(80, 128, 2048) == 10  # 1/8
     assert scratch_count(20, 128, 2048) == 2  # 16 blocks of max_model_len + the null block
     assert scratch_count(5, 128, 512) == 0  # the engine tests' small cache
     assert scratch_count(690, 128, 2048, want=0) == 0
+    assert scratch_count(690, 128, 2048, want=3) == 3
     tree = {"model": "smollm2-135m-eagle", "tree": "dynamic:10,3,3"}
     cfg = _engine_config(tree)
-    blocks = 64 * cfg.cache_config.block_size // 128  # a cache of 8192 tokens
-    assert len(scratch_range(cfg, blocks)) == min(SCRATCH_BLOCKS, blocks // 8)
+    bs = cfg.cache_config.block_size
+    blocks = 8 * 8192 // bs  # a cache of 65536 tokens
+    assert len(scratch_range(cfg, blocks)) == SCRATCH_SLOTS // bs
     none = _engine_config({**tree, "scratch_blocks": 0})
     assert none.additional_config["treedraft"]["scratch_blocks"] == 0
     assert "scratch_blocks" not in none.speculative_config.__dict__
@@ -375,6 +380,26 @@ def test_scratch_blocks_fit_the_cache():
     assert len(scratch_range(_engine_config({**tree, "scratch_blocks": 3}), blocks)) == 3
     with pytest.raises(ValueError, match="scratch_blocks must be an integer >= 0"):
         _engine_config({**tree, "scratch_blocks": -1})
+
+
+def test_cpu_tree_mode_runs_small_kv_blocks():
+    """On CPU a tree-mode engine (a branching tree, or auto over the head's trees) gets KV
+    blocks of TREE_BLOCK_SIZE tokens where --block-size is not given: each branch copies its
+    prefix's partial last block per layer. Chains, engines without treedraft and a given
+    --block-size keep theirs."""
+    from treedraft.plugin.scratch import CPU_DEFAULT_BLOCK_SIZE, TREE_BLOCK_SIZE
+
+    head = "smollm2-135m-eagle"
+    assert (TREE_BLOCK_SIZE, CPU_DEFAULT_BLOCK_SIZE) == (32, 128)
+    for tree in ("dynamic:10,3,3", "chain:2+lookup:4", "auto"):
+        assert _engine_config({"model": head, "tree": tree}).cache_config.block_size == 32, tree
+    assert _engine_config({"model": head, "tree": "chain:3"}).cache_config.block_size == 128
+    assert _engine_config({"model": head, "tree": "auto:chain:3"}).cache_config.block_size == 128
+    assert _engine_config(None).cache_config.block_size == 128
+    given = _engine_config({"model": head, "tree": "dynamic:10,3,3"}, block_size=128)
+    assert given.cache_config.block_size == 128
+    assert _engine_config({"model": head, "tree": "dynamic:10,3,3"},
+                          block_size=64).cache_config.block_size == 64
 
 
 def test_chain_cover_gives_each_node_its_ancestors_once():
@@ -423,9 +448,10 @@ def test_copy_slots_moves_accepted_kv_to_sequential_slots(isa, dtype):
 
 def test_slot_copies_index_the_flattened_cache_and_refuse_a_strided_one():
     """`SlotLayout.elements` addresses every K and V element of a slot, all KV heads, in the
-    flattened cache: copying slots through them moves exactly those slots and nothing else. A
-    cache that is not contiguous has no such flat view: refused with a message."""
-    from treedraft.plugin.attention_cpu import slot_layout
+    flattened cache: copying slots through them (`copy_slots`, elements computed once per layout
+    and kept by `Slots`) moves exactly those slots and nothing else. A cache that is not
+    contiguous has no such flat view: refused with a message."""
+    from treedraft.plugin.attention_cpu import Slots, copy_slots, slot_layout
 
     _load_vllm_ops()
     torch.manual_seed(2)
@@ -433,7 +459,8 @@ def test_slot_copies_index_the_flattened_cache_and_refuse_a_strided_one():
     layout = slot_layout(kv, "vec")
     before = kv.clone()
     src, dst = [5, 40, 70], [100, 101, 190]  # slot = block * 32 + offset, across blocks
-    layout.copy_slots(kv, src, dst)
+    moves = Slots(torch.tensor(src)), Slots(torch.tensor(dst))
+    copy_slots(kv, layout, *moves)
     b, o = torch.tensor(dst) // 32, torch.tensor(dst) % 32
     k, v = layout.read(kv, b, o)
     k0, v0 = layout.read(before, torch.tensor(src) // 32, torch.tensor(src) % 32)
@@ -446,7 +473,7 @@ def test_slot_copies_index_the_flattened_cache_and_refuse_a_strided_one():
         assert torch.equal(ks, kb) and torch.equal(vs, vb)
     strided = torch.randn(6, 32, 3, 128).transpose(1, 2)
     with pytest.raises(NotImplementedError, match="contiguous CPU KV cache"):
-        layout.copy_slots(strided, src, dst)
+        copy_slots(strided, layout, *moves)
 
 
 def test_a_tree_step_that_never_reached_tree_attention_is_refused():
