@@ -126,7 +126,6 @@ class SlotLayout:
         return torch.cat((k.reshape(-1), v.reshape(-1)))
 
 
-
 def flat(kv_cache: torch.Tensor) -> torch.Tensor:
     """A layer's cache as one dimension, the view `SlotLayout.elements` indexes."""
     if not kv_cache.is_contiguous():
