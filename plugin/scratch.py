@@ -16,9 +16,9 @@ recomputation (exact too, slower).
 On CPU, a tree-mode engine whose `--block-size` is not given runs KV blocks of `TREE_BLOCK_SIZE`
 (32) tokens instead of vLLM's CPU default of 128: each branch of a tree copies its prefix's partial
 last block into scratch in every layer (plugin/attention_cpu.py), so that copy shrinks 4x, and the
-same scratch memory holds 4x as many blocks. Plain and chain steps run as fast on either size
-(scripts/BENCHMARKS.md, "The tree step: KV block size and slot
-copies").
+same scratch memory holds 4x as many blocks. Plain and chain steps ran as fast on either size
+with the `vec` ISA (scripts/BENCHMARKS.md, "The tree step: KV block size and slot copies"; `amx`
+not measured on 32).
 
 Touch points (vLLM 0.32), tree mode only: `Scheduler.__init__`; on CPU
 `CpuPlatform.check_and_update_config`.

@@ -387,8 +387,12 @@ def test_cpu_tree_mode_runs_small_kv_blocks():
     blocks of TREE_BLOCK_SIZE tokens where --block-size is not given: each branch copies its
     prefix's partial last block per layer. Chains, engines without treedraft and a given
     --block-size keep theirs."""
+    from treedraft.plugin import patching, scratch
     from treedraft.plugin.scratch import CPU_DEFAULT_BLOCK_SIZE, TREE_BLOCK_SIZE
 
+    # register() applies it on CPU; applied here too, as sampler.CPU_PATCHES above, in case this
+    # process registered the plugin under test_cuda_path's fake CUDA platform
+    patching.apply(scratch.CPU_CONFIG_PATCHES)
     head = "smollm2-135m-eagle"
     assert (TREE_BLOCK_SIZE, CPU_DEFAULT_BLOCK_SIZE) == (32, 128)
     for tree in ("dynamic:10,3,3", "chain:2+lookup:4", "auto"):
