@@ -179,21 +179,6 @@ def slot_layout(kv_cache: torch.Tensor, isa: str) -> SlotLayout:
     return _slot_layout(isa, kv_cache.shape[2], kv_cache.shape[3] // 2, kv_cache.dtype)
 
 
-def gather_blocks(kv_cache: torch.Tensor, layout: SlotLayout, blocks: torch.Tensor, length: int):
-    """K, V [B, Hkv, length, D] of slots 0..length-1 of B requests whose block-table rows
-    are `blocks` [B, nblk]."""
-    bs = kv_cache.shape[2]
-    pos = torch.arange(length)
-    k, v = layout.read(kv_cache, blocks.long()[:, pos // bs], pos % bs)  # [B, length, D, Hkv]
-    return k.permute(0, 3, 1, 2), v.permute(0, 3, 1, 2)
-
-
-def gather_kv(kv_cache: torch.Tensor, layout: SlotLayout, block_row: torch.Tensor, length: int):
-    """K, V [Hkv, length, D] of positions 0..length-1 of one request."""
-    k, v = gather_blocks(kv_cache, layout, block_row[None], length)
-    return k[0], v[0]
-
-
 class TreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)

@@ -49,29 +49,29 @@ def compact_accepted(runner, step) -> int:
     if moves_src:
         src = torch.tensor(moves_src, dtype=torch.long)
         dst = torch.tensor(moves_dst, dtype=torch.long)
-        cpu = None  # CPU: (src, dst) as attention_cpu.Slots, their elements shared by the layers
+        cpu = None  # CPU layers: (src, dst) as attention_cpu.Slots, their elements shared
         for kv, isa in attention_caches(runner):
-            if isa is None:  # CUDA layers (vLLM's `flash` layout)
-                copy_kv_slots(kv, src, dst)
-                continue
-            from .attention_cpu import Slots, copy_slots, slot_layout  # CPU only
+            if isa is not None and cpu is None:
+                from .attention_cpu import Slots  # imports vLLM's CPU backend: CPU only
 
-            cpu = cpu or (Slots(src), Slots(dst))
-            copy_slots(kv, slot_layout(kv, isa), *cpu)
+                cpu = Slots(src), Slots(dst)
+            copy_kv_slots(kv, *(cpu if isa is not None else (src, dst)), isa)
     return len(moves_src)
 
 
-def copy_kv_slots(kv_cache: torch.Tensor, src: list[int], dst: list[int],
-                  isa: str | None = None) -> None:
+def copy_kv_slots(kv_cache: torch.Tensor, src, dst, isa: str | None = None) -> None:
     """K/V of slots `src` to slots `dst` in one layer's cache [nb, Hkv, bs, 2D]: a CPU cache in
     the layout vLLM's CPU kernel writes for its layer's `isa`; isa None (CUDA layers have none)
-    vLLM's CUDA (`flash`) layout."""
+    vLLM's CUDA (`flash`) layout. src, dst: slot lists or long tensors; on CPU also
+    `attention_cpu.Slots`, whose cache elements are then computed once for every layer."""
     if isa is not None:
         from .attention_cpu import Slots, copy_slots, slot_layout  # imports vLLM's CPU backend
 
-        src, dst = torch.as_tensor(src, dtype=torch.long), torch.as_tensor(dst, dtype=torch.long)
-        if src.numel():
-            copy_slots(kv_cache, slot_layout(kv_cache, isa), Slots(src), Slots(dst))
+        if not isinstance(src, Slots):
+            src = Slots(torch.as_tensor(src, dtype=torch.long))
+            dst = Slots(torch.as_tensor(dst, dtype=torch.long))
+        if len(src):
+            copy_slots(kv_cache, slot_layout(kv_cache, isa), src, dst)
         return
     k, v = tree_kernel.kv_views(kv_cache, kv_cache.shape[-1] // 2, "flash")
     tree_kernel.copy_slots(k, v, src, dst)

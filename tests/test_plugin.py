@@ -426,8 +426,13 @@ def test_chain_cover_gives_each_node_its_ancestors_once():
 def test_copy_slots_moves_accepted_kv_to_sequential_slots(isa, dtype):
     """K/V written by vLLM's own cache op read back exactly through the layout, and the
     accepted path's copies land where a chain over it would have written."""
-    from treedraft.plugin.attention_cpu import gather_kv, slot_layout
+    from treedraft.plugin.attention_cpu import slot_layout
     from treedraft.plugin.kv import copy_kv_slots
+
+    def gather_kv(kv, layout, block_row, length):  # K, V [Hkv, length, D] of one request
+        pos = torch.arange(length)
+        k, v = layout.read(kv, block_row.long()[pos // 32], pos % 32)  # [length, D, Hkv]
+        return k.permute(2, 0, 1), v.permute(2, 0, 1)
 
     torch.manual_seed(1)
     impl, kv, layer = _impl_and_cache(isa=isa, dtype=dtype)
