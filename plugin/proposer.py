@@ -110,15 +110,15 @@ class AutoArms:
         self._planned = False  # this step ran an arm
         self._logged: dict = {}  # per context: (best, arms measured) last logged, and when
 
-        self.steps: dict[str, int] = defaultdict(int)  # steps per arm
+        self.steps: dict[tuple, int] = defaultdict(int)  # steps per (context, arm)
 
     def plan(self, batch: int, sampled: int = 0):
         """This step's TreeSpec for `batch` drafting requests (`sampled` of them T > 0), or
         None: draft nothing."""
         arm = self.bandit.plan(batch, sampled)
         self._planned = True
-        self.steps[arm] += 1
         ctx = self.bandit.ctx
+        self.steps[ctx, arm] += 1
         rates = self.bandit.rates(ctx)
         best = max(rates, key=rates.get) if rates else None
         now = time.monotonic()
@@ -129,9 +129,13 @@ class AutoArms:
                         "%s; steps so far by arm: %s", ctx[0],
                         "sampled" if ctx[1] else "greedy", best,
                         ", ".join(f"{a} {r:.1f}" for a, r in rates.items()),
-                        ", ".join(f"{a} {n}" for a, n in self.steps.items()))
+                        ", ".join(f"{a} {n}" for a, n in self.steps_in(ctx).items()))
             self._logged[ctx] = ((best, len(rates)), now)
         return self.specs[arm]
+
+    def steps_in(self, ctx: tuple[int, bool]) -> dict[str, int]:
+        """Steps per arm played in one context (what its log line reports)."""
+        return {a: n for (c, a), n in self.steps.items() if c == ctx}
 
     def tally(self) -> str:
         """What auto did so far: steps per arm, and per context the arm it found best, e.g.
@@ -140,7 +144,10 @@ class AutoArms:
         best = [f"batch <= {c[0]} {'sampled' if c[1] else 'greedy'} {a} "
                 f"({self.bandit.rates(c)[a]:.1f} tokens/s per request)"
                 for c in sorted(self.bandit.stats) if (a := self.bandit.best(c)) is not None]
-        return ("steps by arm: " + ", ".join(f"{a} {n}" for a, n in self.steps.items())
+        steps: dict[str, int] = defaultdict(int)  # over every context
+        for (_, a), n in self.steps.items():
+            steps[a] += n
+        return ("steps by arm: " + ", ".join(f"{a} {n}" for a, n in steps.items())
                 + "; best: " + ("; ".join(best) or "-"))
 
     def step_started(self) -> None:

@@ -927,3 +927,6 @@ def test_auto_measures_steps_that_drafted_and_verified_one_arm_without_prefill()
     assert sum(a.steps for a in b.stats[(2, False)]) == 2
     assert sum(a.tokens for a in b.stats[(2, False)]) == 2  # 1 token per request, 2 steps
     assert "steps by arm: none" in auto.tally() and "batch <= 1 greedy none" in auto.tally()
+    # the log line of a context counts that context's steps; the tally every context's
+    assert auto.steps_in((1, False)) == {"none": 2} and auto.steps_in((2, False)) == {"none": 4}
+    assert "steps by arm: none 6;" in auto.tally()
