@@ -78,14 +78,16 @@ def markdown(rows: list[dict]) -> str:
 @contextlib.contextmanager
 def serving(cmd: list[str], port: int, log: Path, timeout: float = 900,
             env: dict[str, str] | None = None):
-    """Run `vllm serve ...` (`cmd`, listening on `port`) with its output in `log`; yields the
-    process once /health answers, terminates it (then kills it after 60 s) on the way out. A
-    server that exits or is not up within `timeout` seconds raises RuntimeError with its log's
-    end."""
+    """Run `vllm serve ...` (`cmd`, without `--port`) listening on `port`, with its output in
+    `log`; yields the process once /health answers on that port, terminates it (then kills it
+    after 60 s) on the way out. A server that exits or is not up within `timeout` seconds raises
+    RuntimeError with its log's end."""
     from .engine import engine_env
 
+    if "--port" in cmd:
+        raise ValueError(f"serving: give the port as `port`, not in the command: {cmd}")
     with log.open("w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=f, stderr=subprocess.STDOUT,
                                 env=env or engine_env())
     try:
         end = time.monotonic() + timeout
@@ -160,9 +162,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     with contextlib.ExitStack() as servers:
         for i, c in enumerate(configs):
             ports[c] = a.port + i
-            cmd = [vllm, "serve", target, "--port", str(ports[c]), "--dtype", dtype,
-                   "--enforce-eager", "--max-num-seqs", str(max(conc)), "--max-model-len",
-                   "2048", "--seed", "0"]
+            cmd = [vllm, "serve", target, "--dtype", dtype, "--enforce-eager",
+                   "--max-num-seqs", str(max(conc)), "--max-model-len", "2048", "--seed", "0"]
             if specs[c] is not None:
                 cmd += ["--speculative-config", json.dumps(specs[c])]
             # one at a time: start-ups do not overlap

@@ -557,6 +557,23 @@ def test_serve_bench_rates_requests_that_ran_at_full_concurrency():
     assert full_batch_rate([10], [1.0], [False], 2) is None
 
 
+def test_serving_takes_the_port_it_waits_on_and_refuses_another_in_the_command(tmp_path):
+    """`serving` adds `--port PORT` itself, so the port whose /health it waits for is the one
+    the server listens on; a command that names a port too is refused before anything starts."""
+    from treedraft.scripts.serve_bench import serving
+
+    log = tmp_path / "serve.log"
+    with pytest.raises(ValueError, match="give the port as `port`"):
+        with serving(["vllm", "serve", "m", "--port", "8200"], 8201, log):
+            pass
+    assert not log.exists()
+    # a command that exits at once: the error names the port it was given and the log's end
+    with pytest.raises(RuntimeError, match="vllm serve on port 8202 exited"):
+        with serving([sys.executable, "-c", "import sys; print(sys.argv[1:])"], 8202, log):
+            pass
+    assert "'--port', '8202'" in log.read_text()
+
+
 def test_machine_command_prints_flags_and_dtype():
     from treedraft.heads.machine import default_dtype
 

@@ -55,8 +55,8 @@ def _serve(log: Path, spec: dict | None, *extra: str):
     """A `vllm serve` of SmolLM2 on a free loopback port: (base URL, process)."""
     target = str(resolve_model("smollm2-135m"))
     port = _free_port()
-    args = [VLLM, "serve", target, "--port", str(port), "--enforce-eager", "--dtype", "float32",
-            "--max-model-len", "1024", *extra]
+    args = [VLLM, "serve", target, "--enforce-eager", "--dtype", "float32", "--max-model-len",
+            "1024", *extra]
     if spec is not None:
         args += ["--speculative-config", json.dumps(spec)]
     with serving(args, port, log, timeout=400) as proc:
