@@ -430,8 +430,8 @@ def test_copy_slots_moves_accepted_kv_to_sequential_slots(isa, dtype):
     from treedraft.plugin.kv import copy_kv_slots
 
     def gather_kv(kv, layout, block_row, length):  # K, V [Hkv, length, D] of one request
-        pos = torch.arange(length)
-        k, v = layout.read(kv, block_row.long()[pos // 32], pos % 32)  # [length, D, Hkv]
+        pos, bs = torch.arange(length), kv.shape[2]
+        k, v = layout.read(kv, block_row.long()[pos // bs], pos % bs)  # [length, D, Hkv]
         return k.permute(2, 0, 1), v.permute(2, 0, 1)
 
     torch.manual_seed(1)
