@@ -120,10 +120,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # Llama: normalise in float32, cast back, then scale.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # Llama: normalise in float32 (x * rsqrt(mean(x^2) + eps)), cast back, then scale.
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
@@ -158,10 +156,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, device) -> 
                                    (1 - smooth) * inv_freq / factor + smooth * inv_freq))
 
 
-def rope_cos_sin(positions: Tensor, head_dim: int, theta: float,
-                 scaling: dict | None = None) -> tuple[Tensor, Tensor]:
-    """positions [B, T] -> cos, sin [B, 1, T, head_dim] (float32)."""
-    inv_freq = rope_inv_freq(head_dim, theta, scaling, positions.device)
+def rope_cos_sin(positions: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+    """positions [B, T], `rope_inv_freq` [head_dim / 2] -> cos, sin [B, 1, T, head_dim]
+    (float32)."""
     freqs = positions.float()[..., None] * inv_freq  # [B, T, D/2]
     emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, T, D]
     return emb.cos(), emb.sin()
@@ -281,6 +278,7 @@ class DecoderLayer(nn.Module):
         self.gate_proj = nn.Linear(h, c.intermediate_size, bias=False)
         self.up_proj = nn.Linear(h, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, h, bias=False)
+        self._inv_freq: Tensor | None = None  # RoPE frequencies (float32), on the input's device
 
     def attention(self, x: Tensor, positions: Tensor, past_kv, attn_mask, packed=None):
         c = self.c
@@ -291,8 +289,11 @@ class DecoderLayer(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, c.rope_scaling)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [B, nh|nkv, T, D]
+        if self._inv_freq is None or self._inv_freq.device != x.device:  # computed once
+            self._inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling, x.device)
+        cos, sin = rope_cos_sin(positions, self._inv_freq)
+        q, k = apply_rope(torch.cat([q, k], dim=1), cos, sin).split(  # [B, nh|nkv, T, D]
+            [c.num_attention_heads, c.num_key_value_heads], dim=1)
         new_kv = (k, v)  # cached post-RoPE, for these T tokens only
         if packed is not None:  # several sessions' tokens in one row
             o = pooled_attention(q, k, v, packed)  # one batched call over the sessions' pool
@@ -731,31 +732,37 @@ class EagleSession:
         """One packed forward over jobs (session, tree, parents, nodes); parents have features.
 
         A node attends to its session's committed pairs, the earlier tree slots that are its
-        ancestors, and itself."""
+        ancestors, and itself. A level of one node whose ancestors fill every earlier tree slot
+        (a chain's, or any tree's first level) sees every slot: it runs without a mask."""
         head = jobs[0][0].head
         dev = next(head.parameters()).device
         feats, ids, pos, segs, lo = [], [], [], [], 0
         for s, tree, parents, nodes in jobs:
+            depth, M, T = s.depth, len(s.tree_nodes), len(nodes)
             for n in nodes:
-                s.depth[n] = s.depth[parents[n]] + 1  # parents ran before their children
-            feats.append(torch.stack([s.feat[parents[n]] for n in nodes]))
-            ids.append(tree.tokens[nodes].to(dev))
-            pos.append(torch.tensor([s.length - 1 + s.depth[n] for n in nodes], device=dev))
-            M, T = len(s.tree_nodes), len(nodes)
+                depth[n] = depth[parents[n]] + 1  # parents ran before their children
+            feats += [s.feat[parents[n]] for n in nodes]
+            ids.append(tree.tokens[nodes])
+            pos += [s.length - 1 + depth[n] for n in nodes]
             C = s.length - s.start  # committed pairs held in the cache
-            mask = torch.zeros(T, C + M + T, dtype=torch.bool)
-            mask[:, :C] = True
-            slot = {node: j for j, node in enumerate(s.tree_nodes)}
-            for i, n in enumerate(nodes):
-                a = parents[n]
-                while a > 0:
-                    mask[i, C + slot[a]] = True
-                    a = parents[a]
-                mask[i, C + M + i] = True
-            segs.append(Segment(lo, lo + T, s.cache, C + M, mask.to(dev)))
+            mask = None
+            if T > 1 or depth[nodes[0]] - 1 != M:
+                slot = {node: j for j, node in enumerate(s.tree_nodes)}
+                rows = []
+                for i, n in enumerate(nodes):
+                    row = [False] * (M + T)
+                    a = parents[n]
+                    while a > 0:
+                        row[slot[a]] = True
+                        a = parents[a]
+                    row[M + i] = True
+                    rows.append(row)
+                mask = torch.cat([torch.ones(T, C, dtype=torch.bool),
+                                  torch.tensor(rows, dtype=torch.bool)], dim=1).to(dev)
+            segs.append(Segment(lo, lo + T, s.cache, C + M, mask))
             lo += T
-        out, _ = head(torch.cat(feats)[None], torch.cat(ids)[None], torch.cat(pos)[None],
-                      packed=segs)
+        out, _ = head(torch.stack(feats)[None], torch.cat(ids).to(dev)[None],
+                      torch.tensor(pos, device=dev)[None], packed=segs)
         for (s, _, _, nodes), seg in zip(jobs, segs, strict=True):
             s.tree_nodes += nodes
             for i, n in enumerate(nodes):

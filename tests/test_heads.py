@@ -280,13 +280,22 @@ def test_eagle_incremental_equals_full_sequence(layout):
 
 
 @pytest.mark.parametrize("layout", ["eagle1", "eagle3"])
-def test_eagle_tree_expansion_equals_chains(layout):
+@pytest.mark.parametrize("shape", ["tree", "chain"])
+def test_eagle_tree_expansion_equals_chains(layout, shape):
+    """Every node's draft distribution equals the one its path gives when committed as if the
+    target had accepted it: a branching tree (masked levels) and a chain (levels of one node
+    that see every earlier slot run without a mask)."""
     head = make_eagle(layout=layout)
     g = torch.Generator().manual_seed(3)
     prefix_h, prefix_tok = torch.randn(6, H, generator=g), torch.randint(0, V, (6,), generator=g)
-    parents = torch.tensor([-1, 0, 0, 0, 1, 1, 2, 4, 4, 7])
-    tree = Tree(torch.cat([prefix_tok[-1:], torch.randint(0, V, (9,), generator=g)]), parents)
-    levels = [[0], [1, 2, 3], [4, 5, 6], [7, 8], [9]]
+    if shape == "tree":
+        parents = torch.tensor([-1, 0, 0, 0, 1, 1, 2, 4, 4, 7])
+        levels = [[0], [1, 2, 3], [4, 5, 6], [7, 8], [9]]
+    else:
+        parents = torch.tensor([-1, 0, 1, 2, 3])
+        levels = [[0], [1], [2], [3], [4]]
+    tokens = torch.randint(0, V, (len(parents) - 1,), generator=g)
+    tree = Tree(torch.cat([prefix_tok[-1:], tokens]), parents)
 
     sess = head.draft_session()
     sess.commit(prefix_h[:4], prefix_tok[:4])  # two commits: positions continue
