@@ -1,5 +1,6 @@
-"""GPU check of plugin/tree_kernel.py: correctness at real model shapes, then timing. torch,
-triton and numpy only (no vLLM, no transformers); the kernel file is loaded by its path.
+"""GPU check of plugin/tree_kernel.py: correctness at real model shapes, tree decoding end to
+end, then timing. torch and triton only (no vLLM, no transformers): the kernel file is loaded
+by its path, treedraft's heads (pure torch) from this checkout when no package is installed.
 
 On a GPU machine (one run < 8 min; internal deadline 420 s):
     python scripts/gpu_check.py --out /tmp/gpu_check
@@ -13,6 +14,19 @@ Writes DIR/gpu_check.json and DIR/gpu_check.md; exits 1 if any case failed.
   torch twin in fp32, with NaN in every cache slot the kernel must not read and the bytes of
   the rows outside the trees compared; it stops at the deadline. fp32 runs tf32 dots.
 - views: kv_views == FlashAttention's split of the cache, copy_slots == slot-by-slot copies.
+- decode: greedy tree decoding end to end through the kernel, without vLLM: treedraft's
+  reference decoder (heads/reference.py) drives a small random Llama (`PagedLlama`, fp32)
+  whose every attention call writes and reads a NaN-filled paged cache through a shuffled
+  block table and `tree_attention`, and whose accepted nodes move with `copy_slots` (the
+  slots they leave go back to NaN). The drafts come from `OracleHead`: at a node whose path
+  follows the model's own greedy continuation the true next token gets rank 0, 1 or 2, so
+  steps accept several nodes, not always down the first branch, and their K/V move to the
+  slots after the prefix (`compactions`: steps that moved any, which must not be 0). The
+  speculative output must equal plain greedy decoding of the same model token for token (both
+  through the kernel: they differ only in how rows are batched); plain decoding through the
+  torch twin is reported beside it (fp32 inputs get tf32 dots on the GPU, so a near-tie may go
+  either way). SmolLM2 itself cannot travel to the GPU machine (its weights exceed one
+  transfer).
 - timing: (B, P, n) as in the design notes, Llama-3.1-8B heads, bf16, block 16, LBNHC:
   kernel ms (CUDA graph replay, and per Python call), K/V bytes read, GB/s against the card's
   peak, the ratio to the dense-attention memory bound, torch SDPA on contiguous dense K/V of
@@ -32,6 +46,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 KERNEL_PATH = Path(__file__).resolve().parents[1] / "plugin" / "tree_kernel.py"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -201,6 +216,216 @@ def check_views(device: torch.device) -> dict:
     return res
 
 
+# ----------------------------------------------------------------------------- end to end
+
+DECODE = dict(vocab=512, hidden=256, layers=4, heads=(8, 2, 32), block=16, prompt=48, new=160,
+              specs=("static:16", "dynamic:24,5,4"))
+SMOKE_DECODE = dict(vocab=64, hidden=32, layers=2, heads=(4, 2, 8), block=16, prompt=20,
+                    new=36, specs=("static:8",))
+
+
+def load_heads():
+    """treedraft.heads.reference and .tree: from the installed package, else from this
+    checkout by path (a GPU machine has the files, not the package)."""
+    try:
+        import treedraft.heads.reference as reference
+    except ImportError:
+        import types
+
+        pkg = types.ModuleType("treedraft")
+        pkg.__path__ = [str(KERNEL_PATH.parents[1])]
+        sys.modules["treedraft"] = pkg
+        import treedraft.heads.reference as reference
+    import treedraft.heads.tree as tree
+
+    return reference, tree
+
+
+def parents_from_mask(mask: torch.Tensor) -> list[int]:
+    """The parents of a topologically ordered tree from its ancestor-or-self mask [T, T] (a
+    causal mask is a chain); refuses a mask that is not one."""
+    m = mask.tolist()
+    T = len(m)
+    parents = [-1] + [max((j for j in range(i) if m[i][j]), default=-2) for i in range(1, T)]
+    bits = tk._ancestor_bits(parents, 0) if min(parents[1:], default=0) >= 0 else None
+    want = [sum(1 << j for j in range(T) if m[i][j]) for i in range(T)]
+    if bits != want:
+        raise ValueError("the decoder's mask is not a tree's ancestor-or-self mask")
+    return parents
+
+
+class PagedLlama:
+    """A small random Llama as the reference decoder's `Target`: fp32, seeded, its K/V in a
+    NaN-filled paged cache [blocks, Hkv, block, 2D] behind a shuffled block table; every call's
+    rows go through `tree_attention` as one tree over the cached prefix (`impl`: "triton", the
+    kernel, or "torch", its twin); `keep` compacts with `copy_slots` and NaN-fills what it
+    drops, so a kernel reading past the prefix would show."""
+
+    def __init__(self, cfg: dict, impl: str, device: torch.device, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        V, H, L, bs = cfg["vocab"], cfg["hidden"], cfg["layers"], cfg["block"]
+        hq, hkv, d = cfg["heads"]
+        self.hq, self.hkv, self.d, self.bs, self.impl, self.device = hq, hkv, d, bs, impl, device
+
+        def w(*shape: int, scale: float) -> torch.Tensor:
+            return (torch.randn(*shape, generator=g) * scale).to(device)
+
+        self.embed = w(V, H, scale=1.0)
+        self.layers = [dict(qkv=w((hq + 2 * hkv) * d, H, scale=H ** -0.5),
+                            o=w(H, hq * d, scale=(hq * d) ** -0.5),
+                            up=w(4 * H, H, scale=H ** -0.5), down=w(H, 2 * H, scale=(2 * H) ** -0.5))
+                       for _ in range(L)]
+        self.lm_head = w(V, H, scale=4 * H ** -0.5)  # logits of std ~4: decisive greedy picks
+        self.inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2, device=device).float() / d)
+        blocks = -(-(cfg["prompt"] + cfg["new"] + 64) // bs)
+        nb = blocks + 3  # block 0 pads the table; two never used
+        self.table = ((torch.randperm(nb - 1, generator=g)[:blocks] + 1).to(torch.int32)
+                      .view(1, -1).to(device))
+        self.caches = [torch.full((nb, hkv, bs, 2 * d), float("nan"), device=device)
+                       for _ in range(L)]
+        self.length = 0
+        self.compactions = 0  # keep() calls that moved accepted nodes to other slots
+
+    def reset(self) -> None:
+        for c in self.caches:
+            c.fill_(float("nan"))
+        self.length = 0
+
+    def _slots(self, pos: torch.Tensor) -> torch.Tensor:
+        pos = pos.to(self.device)
+        return self.table[0].long()[pos // self.bs] * self.bs + pos % self.bs
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+    @staticmethod
+    def _norm(x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
+        T, P, dev = tokens.numel(), self.length, self.device
+        hq, hkv, d, bs = self.hq, self.hkv, self.d, self.bs
+        meta = tk.TreeMeta.build([(0, P, parents_from_mask(mask), 0)], device=dev)
+        slots = self._slots(torch.arange(P, P + T))
+        freqs = positions.to(dev).float()[:, None] * self.inv_freq
+        emb = torch.cat([freqs, freqs], -1)[:, None]  # [T, 1, D]
+        cos, sin = emb.cos(), emb.sin()
+        x = self.embed[tokens.to(dev)]
+        for layer, cache in zip(self.layers, self.caches, strict=True):
+            q, k, v = (self._norm(x) @ layer["qkv"].T).split([hq * d, hkv * d, hkv * d], -1)
+            q = self._rope(q.view(T, hq, d), cos, sin)
+            k = self._rope(k.view(T, hkv, d), cos, sin)
+            v = v.view(T, hkv, d)
+            kc, vc = tk.kv_views(cache, d, "flash")
+            kc[slots // bs, :, slots % bs] = k  # the step's rows, as vLLM writes them first
+            vc[slots // bs, :, slots % bs] = v
+            out = torch.full_like(q, float("nan"))
+            tk.tree_attention(q, k, v, kc, vc, self.table, meta, d ** -0.5, out, impl=self.impl)
+            x = x + out.reshape(T, hq * d) @ layer["o"].T
+            a, b = (self._norm(x) @ layer["up"].T).chunk(2, -1)
+            x = x + (F.silu(a) * b) @ layer["down"].T
+        x = self._norm(x)
+        self.length += T
+        return (x @ self.lm_head.T).float().cpu(), x.cpu()
+
+    def keep(self, start: int, nodes: torch.Tensor) -> None:
+        nodes = [int(n) for n in nodes]
+        end = self.length
+        moves = [(start + n, start + i) for i, n in enumerate(nodes) if n != i]
+        self.compactions += bool(moves)
+        self.length = start + len(nodes)
+        dropped = self._slots(torch.arange(self.length, end))
+        for cache in self.caches:
+            kc, vc = tk.kv_views(cache, self.d, "flash")
+            if moves:
+                src, dst = zip(*moves, strict=True)
+                tk.copy_slots(kc, vc, self._slots(torch.tensor(src)),
+                              self._slots(torch.tensor(dst)))
+            kc[dropped // self.bs, :, dropped % self.bs] = float("nan")
+            vc[dropped // self.bs, :, dropped % self.bs] = float("nan")
+
+
+class OracleHead:
+    """A stand-in draft head that knows the answer: `truth` is the prompt plus the model's plain
+    greedy continuation. At a node whose path follows it, the true next token gets rank 0, 1 or
+    2 (probabilities 0.55 / 0.3 / 0.15, seeded by position and depth) among random tokens;
+    elsewhere every rank is random. Implements heads/tree.py's Expander through its session."""
+
+    def __init__(self, truth: list[int], vocab: int, seed: int = 0) -> None:
+        self.truth, self.vocab, self.seed = truth, vocab, seed
+
+    def draft_session(self):
+        return _OracleSession(self)
+
+
+class _OracleSession:
+    def __init__(self, head: OracleHead) -> None:
+        self.head = head
+        self.seen = 1  # tokens of the sequence so far: prompt[0] + every committed token
+
+    def commit(self, hidden: torch.Tensor, tokens: torch.Tensor) -> None:
+        self.seen += tokens.numel()
+
+    def expand(self, tree, nodes: list[int]) -> torch.Tensor:
+        h, V = self.head, self.head.vocab
+        parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
+        rows = []
+        for n in nodes:
+            path = []
+            a = n
+            while a > 0:
+                path.insert(0, tokens[a])
+                a = parents[a]
+            at = self.seen + len(path)  # index in truth of the node's next token
+            g = torch.Generator().manual_seed(h.seed * 1_000_003 + at * 101 + len(path))
+            order = torch.randperm(V, generator=g).tolist()
+            if h.truth[self.seen : at] == path and at < len(h.truth):
+                true = h.truth[at]
+                order.remove(true)
+                rank = int(torch.multinomial(torch.tensor([0.55, 0.3, 0.15]), 1, generator=g))
+                order.insert(rank, true)
+            logp = torch.empty(V)
+            logp[torch.tensor(order)] = torch.linspace(0.0, -12.0, V)
+            rows.append(torch.log_softmax(logp, -1))
+        return torch.stack(rows)
+
+
+def check_decode(device: torch.device, smoke: bool) -> dict:
+    """Greedy tree decoding through the kernel == plain greedy decoding (see the docstring)."""
+    t0 = time.perf_counter()
+    reference, tree = load_heads()
+    cfg = SMOKE_DECODE if smoke else DECODE
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, cfg["vocab"], (cfg["prompt"],), generator=g).tolist()
+    kernel = PagedLlama(cfg, "triton", device)
+    plain = reference.plain_generate(kernel, prompt, cfg["new"]).tokens
+    twin = reference.plain_generate(PagedLlama(cfg, "torch", device), prompt, cfg["new"]).tokens
+    agree = next((i for i, (a, b) in enumerate(zip(plain, twin, strict=True)) if a != b),
+                 len(plain))
+    hq, hkv, d = cfg["heads"]
+    res = dict(model=f"Llama ({cfg['layers']} layers, hidden {cfg['hidden']}, heads "
+                     f"{hq}/{hkv}/{d}, vocab {cfg['vocab']}, fp32, blocks of {cfg['block']})",
+               tokens=len(plain), twin_agrees_for=agree, specs={}, ok=True)
+    head = OracleHead(prompt + plain, cfg["vocab"])
+    for name in cfg["specs"]:
+        kernel.compactions = 0
+        r = reference.speculative_generate(kernel, head, prompt, cfg["new"],
+                                           tree.parse_tree_spec(name))
+        first = next((i for i, (a, b) in enumerate(zip(r.tokens, plain, strict=True))
+                      if a != b), None)
+        same = first is None and len(r.tokens) == len(plain)
+        res["specs"][name] = dict(
+            same=same, first_difference=first, steps=r.num_verify_steps,
+            accepted_per_step=sum(r.accepted) / max(r.num_verify_steps, 1),
+            max_accepted=max(r.accepted, default=0), compactions=kernel.compactions,
+            mean_tree=sum(r.tree_sizes) / max(len(r.tree_sizes), 1))
+        res["ok"] = res["ok"] and same and max(r.accepted, default=0) >= 2 and kernel.compactions > 0
+    res["seconds"] = time.perf_counter() - t0
+    return res
+
+
 # ----------------------------------------------------------------------------- timing
 
 
@@ -299,6 +524,20 @@ def markdown(report: dict) -> str:
                      f"{f(t['call_ms'])} | {f(t.get('nosplit_ms'))} | {f(t['gbps'], '.0f')} | "
                      f"{f(t['x_bound'], '.2f')} | {f(t['sdpa_dense_ms'])} |")
     lines += ["", f"views: {report['views']}", ""]
+    dec = report.get("decode") or {}
+    if "specs" in dec:
+        lines += [f"decode: {dec['tokens']} greedy tokens of a random {dec['model']}; "
+                  f"plain decoding through the torch twin agrees for {dec['twin_agrees_for']}; "
+                  f"ok: {dec['ok']}", "",
+                  "| tree | same tokens as plain | steps | accepted per step | max accepted | "
+                  "steps that moved KV | mean tree |", "|---|---|---|---|---|---|---|"]
+        for name, r in dec["specs"].items():
+            lines.append(f"| `{name}` | {r['same']} | {r['steps']} | "
+                         f"{r['accepted_per_step']:.2f} | {r['max_accepted']} | "
+                         f"{r['compactions']} | {r['mean_tree']:.1f} |")
+        lines.append("")
+    elif dec:
+        lines += [f"decode: {dec}", ""]
     return "\n".join(lines)
 
 
@@ -326,13 +565,13 @@ def run(out_dir: Path, deadline: float, smoke: bool) -> dict:
         device=torch.cuda.get_device_name(device) if device.type == "cuda"
         else "cpu (Triton interpreter)", torch=torch.__version__, triton=triton.__version__,
         cpu_smoke=smoke, deadline_s=deadline, elapsed_s=0.0, all_ok=False, summary=[],
-        timing=[], views={}, correctness=[], not_run=len(specs))
+        timing=[], views={}, decode={}, correctness=[], not_run=len(specs))
     cases, timing = report["correctness"], report["timing"]
 
     def save() -> None:  # after every phase: a killed run still leaves its results
         report.update(elapsed_s=time.perf_counter() - t0, summary=summary(cases),
                       not_run=len(specs), all_ok=bool(cases) and all(c["ok"] for c in cases)
-                      and report["views"].get("ok", False))
+                      and report["views"].get("ok", False) and report["decode"].get("ok", False))
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=1))
         (out_dir / "gpu_check.md").write_text(markdown(report))
@@ -348,6 +587,8 @@ def run(out_dir: Path, deadline: float, smoke: bool) -> dict:
 
     correctness(0.55 * deadline)
     report["views"] = guarded(check_views, device)
+    report["decode"] = guarded(check_decode, device, smoke)
+    print(f"[{time.perf_counter() - t0:6.1f}s] decode {report['decode']}", flush=True)
     save()
     for B, P, n in SMOKE_TIMING if smoke else TIMING:
         if time.perf_counter() - t0 > 0.9 * deadline:

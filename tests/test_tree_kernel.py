@@ -397,7 +397,8 @@ def test_kernel_module_needs_no_vllm():
 
 
 def test_gpu_check_cpu_smoke(tmp_path):
-    """The GPU check's matrix and timing code, on CPU under the interpreter, tiny shapes."""
+    """The GPU check's matrix, timing and end-to-end decode code, on CPU under the
+    interpreter, tiny shapes."""
     cmd = [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--cpu-smoke",
            "--deadline", "40", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
@@ -406,3 +407,9 @@ def test_gpu_check_cpu_smoke(tmp_path):
     cases = report["correctness"]
     assert cases and all(c["ok"] for c in cases), [c for c in cases if not c["ok"]]
     assert report["timing"] and (tmp_path / "gpu_check.md").exists()
+    # greedy tree decoding through the kernel (reference decoder, paged cache, compaction)
+    # reproduces plain greedy decoding, with steps that accepted more than one node
+    decode = report["decode"]
+    assert decode["ok"] and decode["specs"], decode
+    assert all(r["same"] and r["max_accepted"] >= 2 and r["compactions"]
+               for r in decode["specs"].values()), decode
