@@ -25,8 +25,9 @@ Writes DIR/gpu_check.json and DIR/gpu_check.md; exits 1 if any case failed.
   speculative output must equal plain greedy decoding of the same model token for token (both
   through the kernel: they differ only in how rows are batched); plain decoding through the
   torch twin is reported beside it (fp32 inputs get tf32 dots on the GPU, so a near-tie may go
-  either way). SmolLM2 itself cannot travel to the GPU machine (its weights exceed one
-  transfer).
+  either way). On the GPU the prompt is 520 tokens, so one-row steps split the prefix
+  (split-KV and its reduce, `plain_split_forwards`). SmolLM2 itself cannot travel to the GPU
+  machine (its weights exceed one transfer).
 - timing: (B, P, n) as in the design notes, Llama-3.1-8B heads, bf16, block 16, LBNHC:
   kernel ms (CUDA graph replay, and per Python call), K/V bytes read, GB/s against the card's
   peak, the ratio to the dense-attention memory bound, torch SDPA on contiguous dense K/V of
@@ -218,7 +219,8 @@ def check_views(device: torch.device) -> dict:
 
 # ----------------------------------------------------------------------------- end to end
 
-DECODE = dict(vocab=512, hidden=256, layers=4, heads=(8, 2, 32), block=16, prompt=48, new=160,
+# the GPU's prompt is past 2 * MIN_SEGMENT positions, so one-row steps split the prefix
+DECODE = dict(vocab=512, hidden=256, layers=4, heads=(8, 2, 32), block=16, prompt=520, new=160,
               specs=("static:16", "dynamic:24,5,4"))
 SMOKE_DECODE = dict(vocab=64, hidden=32, layers=2, heads=(4, 2, 8), block=16, prompt=20,
                     new=36, specs=("static:8",))
@@ -285,6 +287,7 @@ class PagedLlama:
                        for _ in range(L)]
         self.length = 0
         self.compactions = 0  # keep() calls that moved accepted nodes to other slots
+        self.splits = 0  # forwards whose kernel calls split the prefix (split-KV, GPU)
 
     def reset(self) -> None:
         for c in self.caches:
@@ -308,6 +311,8 @@ class PagedLlama:
         T, P, dev = tokens.numel(), self.length, self.device
         hq, hkv, d, bs = self.hq, self.hkv, self.d, self.bs
         meta = tk.TreeMeta.build([(0, P, parents_from_mask(mask), 0)], device=dev)
+        if self.impl == "triton":
+            self.splits += tk.choose_segments(meta, hkv, hq // hkv, tk.sm_count(dev)) > 1
         slots = self._slots(torch.arange(P, P + T))
         freqs = positions.to(dev).float()[:, None] * self.inv_freq
         emb = torch.cat([freqs, freqs], -1)[:, None]  # [T, 1, D]
@@ -401,13 +406,15 @@ def check_decode(device: torch.device, smoke: bool) -> dict:
     prompt = torch.randint(0, cfg["vocab"], (cfg["prompt"],), generator=g).tolist()
     kernel = PagedLlama(cfg, "triton", device)
     plain = reference.plain_generate(kernel, prompt, cfg["new"]).tokens
+    split = kernel.splits
     twin = reference.plain_generate(PagedLlama(cfg, "torch", device), prompt, cfg["new"]).tokens
     agree = next((i for i, (a, b) in enumerate(zip(plain, twin, strict=True)) if a != b),
                  len(plain))
     hq, hkv, d = cfg["heads"]
     res = dict(model=f"Llama ({cfg['layers']} layers, hidden {cfg['hidden']}, heads "
                      f"{hq}/{hkv}/{d}, vocab {cfg['vocab']}, fp32, blocks of {cfg['block']})",
-               tokens=len(plain), twin_agrees_for=agree, specs={}, ok=True)
+               tokens=len(plain), prompt=len(prompt), plain_split_forwards=split,
+               twin_agrees_for=agree, specs={}, ok=True)
     head = OracleHead(prompt + plain, cfg["vocab"])
     for name in cfg["specs"]:
         kernel.compactions = 0
@@ -526,9 +533,10 @@ def markdown(report: dict) -> str:
     lines += ["", f"views: {report['views']}", ""]
     dec = report.get("decode") or {}
     if "specs" in dec:
-        lines += [f"decode: {dec['tokens']} greedy tokens of a random {dec['model']}; "
-                  f"plain decoding through the torch twin agrees for {dec['twin_agrees_for']}; "
-                  f"ok: {dec['ok']}", "",
+        lines += [f"decode: {dec['tokens']} greedy tokens after a {dec['prompt']}-token prompt "
+                  f"of a random {dec['model']}; {dec['plain_split_forwards']} plain decoding "
+                  f"steps split the prefix (split-KV); plain decoding through the torch twin "
+                  f"agrees for {dec['twin_agrees_for']}; ok: {dec['ok']}", "",
                   "| tree | same tokens as plain | steps | accepted per step | max accepted | "
                   "steps that moved KV | mean tree |", "|---|---|---|---|---|---|---|"]
         for name, r in dec["specs"].items():
