@@ -227,7 +227,7 @@ SMOKE_DECODE = dict(vocab=64, hidden=32, layers=2, heads=(4, 2, 8), block=16, pr
 
 
 def load_heads():
-    """treedraft.heads.reference and .tree: from the installed package, else from this
+    """treedraft.heads.reference, .tree and .eagle: from the installed package, else from this
     checkout by path (a GPU machine has the files, not the package)."""
     try:
         import treedraft.heads.reference as reference
@@ -238,9 +238,10 @@ def load_heads():
         pkg.__path__ = [str(KERNEL_PATH.parents[1])]
         sys.modules["treedraft"] = pkg
         import treedraft.heads.reference as reference
+    import treedraft.heads.eagle as eagle
     import treedraft.heads.tree as tree
 
-    return reference, tree
+    return reference, tree, eagle
 
 
 def parents_from_mask(mask: torch.Tensor) -> list[int]:
@@ -278,7 +279,8 @@ class PagedLlama:
                             up=w(4 * H, H, scale=H ** -0.5), down=w(H, 2 * H, scale=(2 * H) ** -0.5))
                        for _ in range(L)]
         self.lm_head = w(V, H, scale=4 * H ** -0.5)  # logits of std ~4: decisive greedy picks
-        self.inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2, device=device).float() / d)
+        self.eagle = load_heads()[2]  # the head's RoPE: rope_inv_freq, rope_cos_sin, apply_rope
+        self.inv_freq = self.eagle.rope_inv_freq(d, 10000.0, None, device)
         blocks = -(-(cfg["prompt"] + cfg["new"] + 64) // bs)
         nb = blocks + 3  # block 0 pads the table; two never used
         self.table = ((torch.randperm(nb - 1, generator=g)[:blocks] + 1).to(torch.int32)
@@ -298,13 +300,9 @@ class PagedLlama:
         pos = pos.to(self.device)
         return self.table[0].long()[pos // self.bs] * self.bs + pos % self.bs
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
-
     @staticmethod
     def _norm(x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return F.rms_norm(x, x.shape[-1:], eps=1e-6)
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
@@ -314,14 +312,12 @@ class PagedLlama:
         if self.impl == "triton":
             self.splits += tk.choose_segments(meta, hkv, hq // hkv, tk.sm_count(dev)) > 1
         slots = self._slots(torch.arange(P, P + T))
-        freqs = positions.to(dev).float()[:, None] * self.inv_freq
-        emb = torch.cat([freqs, freqs], -1)[:, None]  # [T, 1, D]
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = self.eagle.rope_cos_sin(positions.to(dev), self.inv_freq)  # [T, 1, D]
         x = self.embed[tokens.to(dev)]
         for layer, cache in zip(self.layers, self.caches, strict=True):
             q, k, v = (self._norm(x) @ layer["qkv"].T).split([hq * d, hkv * d, hkv * d], -1)
-            q = self._rope(q.view(T, hq, d), cos, sin)
-            k = self._rope(k.view(T, hkv, d), cos, sin)
+            q = self.eagle.apply_rope(q.view(T, hq, d), cos, sin)
+            k = self.eagle.apply_rope(k.view(T, hkv, d), cos, sin)
             v = v.view(T, hkv, d)
             kc, vc = tk.kv_views(cache, d, "flash")
             kc[slots // bs, :, slots % bs] = k  # the step's rows, as vLLM writes them first
@@ -400,7 +396,7 @@ class _OracleSession:
 def check_decode(device: torch.device, smoke: bool) -> dict:
     """Greedy tree decoding through the kernel == plain greedy decoding (see the docstring)."""
     t0 = time.perf_counter()
-    reference, tree = load_heads()
+    reference, tree, _ = load_heads()
     cfg = SMOKE_DECODE if smoke else DECODE
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, cfg["vocab"], (cfg["prompt"],), generator=g).tolist()
