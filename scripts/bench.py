@@ -532,7 +532,7 @@ def conclusions(rows: list[dict], baseline: str, machine: str, policy: str = "au
     """What holds on this machine, one sentence per temperature and batch size: the fastest
     configuration against the baseline (with the range over rounds), and where `policy` (the
     default a server gets) stands against it. A difference inside the rounds' ranges is said
-    to be one."""
+    to be none, the fastest configuration's against the baseline too."""
     lines = [f"On this machine ({machine}):"]
     for t in sorted({r["temperature"] for r in rows}):
         for bs in sorted({r["batch_size"] for r in rows if r["temperature"] == t}):
@@ -547,6 +547,8 @@ def conclusions(rows: list[dict], baseline: str, machine: str, policy: str = "au
                        f"{_x(best)})"
             else:
                 say += f"{best['config']} is fastest, {_x(best)} the speed of {baseline}"
+                if (best.get("speedup_range") or [best["speedup"]])[0] < 1.0:
+                    say += f": level with {baseline} within the rounds' spread"
             mine = next((r for r in same if r["config"] == policy), None)
             if mine is not None and mine is not best:
                 lo = (mine.get("speedup_range") or [mine["speedup"]] * 2)[1]

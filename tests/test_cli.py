@@ -371,7 +371,8 @@ def test_bench_progress_counts_every_engine_and_round_and_closing_line():
 def test_bench_main_job_warms_engines_queues_and_says_what_holds():
     """The default job: every engine first runs each job's shape untimed (short), a queue 4
     batches deep, two rounds; the closing lines name the fastest configuration per (T, batch)
-    and where auto stands, a difference inside the rounds' ranges called none."""
+    and where auto stands, a difference inside the rounds' ranges called none (against the
+    baseline too)."""
     from treedraft.scripts.bench import PRESETS, _jobs, conclusions, warmup_jobs
 
     q = PRESETS["quick"]
@@ -398,6 +399,11 @@ def test_bench_main_job_warms_engines_queues_and_says_what_holds():
                         "spread.")
     assert lines[2].startswith("- T=0, batch 8: no configuration beats no-spec (the best, "
                                "chain=3: 0.90x") and "slower beyond the rounds' spread" in lines[2]
+    # a best whose rounds reach below the baseline is not called faster than it
+    lines = conclusions([row("no-spec", 8, 1, 1, 1), row("auto", 8, 1.03, 0.70, 1.36)],
+                        "no-spec", "CPU X")
+    assert lines[1] == ("- T=0, batch 8: auto is fastest, 1.03x (rounds 0.70-1.36) the speed of "
+                        "no-spec: level with no-spec within the rounds' spread.")
 
 
 def test_bench_speedup_chart_bars_scale_mark_and_ranges():
