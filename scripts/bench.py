@@ -528,6 +528,11 @@ def _x(r: dict) -> str:
     return f"{r['speedup']:.2f}x" + (f" (rounds {lo:.2f}-{hi:.2f})" if lo is not None else "")
 
 
+def _rounds(r: dict) -> list[float]:
+    """[lowest, highest] speedup over a row's rounds (the speedup twice for a single round)."""
+    return r.get("speedup_range") or [r["speedup"]] * 2
+
+
 def conclusions(rows: list[dict], baseline: str, machine: str, policy: str = "auto") -> list[str]:
     """What holds on this machine, one sentence per temperature and batch size: the fastest
     configuration against the baseline (with the range over rounds), and where `policy` (the
@@ -547,12 +552,11 @@ def conclusions(rows: list[dict], baseline: str, machine: str, policy: str = "au
                        f"{_x(best)})"
             else:
                 say += f"{best['config']} is fastest, {_x(best)} the speed of {baseline}"
-                if (best.get("speedup_range") or [best["speedup"]])[0] < 1.0:
+                if _rounds(best)[0] < 1.0:
                     say += f": level with {baseline} within the rounds' spread"
             mine = next((r for r in same if r["config"] == policy), None)
             if mine is not None and mine is not best:
-                lo = (mine.get("speedup_range") or [mine["speedup"]] * 2)[1]
-                hi = (best.get("speedup_range") or [best["speedup"]] * 2)[0]
+                lo, hi = _rounds(mine)[1], _rounds(best)[0]
                 within = ("as fast within the rounds' spread" if lo >= hi
                           else "slower beyond the rounds' spread")
                 say += f"; {policy} {_x(mine)}: {within}"
