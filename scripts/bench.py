@@ -16,7 +16,8 @@ temperature: by default a queue (below) at least 4 batches deep (with one prompt
 are cycled to fill it). Every engine first runs an untimed warm-up of each job's shape at 32
 tokens per request (`warmup_jobs`: the engine's code paths and row counts warm, `auto`'s
 measurements begun, as in a server that has been running; `--no-warmup` times from the first
-request); then the engines take turns on each job (`run_order`, below). One progress bar shows
+request); then the engines take turns on each job, a few requests at a time (`turns`,
+`run_order`, below). One progress bar shows
 which engine and job run, tokens so far and an estimate of what is left. Writes OUT/bench.json (tokens/s, TPOT, mean
 acceptance length, per-depth acceptance, speedup vs no-spec per row, the machine), OUT/bench.md
 (the table and `speedup_chart`, the speedups as text bars) and two PNG plots (speedup vs batch
@@ -47,14 +48,19 @@ several prompt groups each prompt runs once and a group smaller than the batch r
 smaller wave: the batch column then says `8 (≤3)`); TPOT is then wave wall time / the wave's
 longest output.
 
-`--rounds N` (default 2): every job runs N times in a row, each time on every engine in turn,
-the order alternating (A B C, C B A, A B C, ...; `run_order`). A 2-core machine's speed
-drifts by 10-30 % over minutes (two no-spec engines run back to back differed by 7 %); here a
-configuration's run of a job is at most a few minutes from the baseline's run of the same job,
-and every pair of rounds cancels a drift linear in time. Each row holds the median tokens/s
-over the rounds and the median of the per-round speedups (each against the baseline's run of
-the same job and round), with their range (`speedup_range`, shown in the table as `1.02x
-(0.97-1.05)`) and every round's figures (`round_tokens_per_s`); `merge_rounds`. The engines
+`--rounds N` (default 2): every job is cut into turns of about two batches (`turns`: 8
+prompts at batch 1 make 4 turns of 2, a queue of 32 at batch 8 two of 16); every turn runs N
+times in a row, each time on every engine in turn, the order alternating (A B C, C B A, A B C,
+...; `run_order`). A 2-core machine's speed moves by 10-30 % over seconds to minutes; with
+engines taking turns every few seconds, each configuration's share of a job spreads over the
+same minutes as the baseline's: every pair of turns cancels a drift linear in time, and a slow
+spell of a minute reaches every configuration, not only those run between two of the
+baseline's runs. A queue's turn is a queue of its own (the batch fills, refills as requests
+end, drains), its rate taken while its batch is full. A round of a job is each of its turns once, its results joined
+(`engine.concat`); each row holds the median tokens/s over the rounds and the median of the
+per-round speedups (each against the baseline's run of the same job and round), with their
+range (`speedup_range`, shown in the table as `1.02x (0.97-1.05)`) and every round's figures
+(`round_tokens_per_s`); `merge_rounds`. The engines
 sit idle while another runs (on a GPU each gets 0.9 / n of its memory).
 
 `--profile`: every engine's worker times its step phases (plugin/profile.py: prepare, target
@@ -271,6 +277,18 @@ def totals(rows: list[dict], sets: dict[str, list[str]]) -> list[dict]:
 
 PROFILE_COLUMNS = ("step", "forward", "tree_attention", "verify", "kv_compaction", "drafting",
                    "prepare", "other")
+
+
+def turns(job: dict) -> list[dict]:
+    """A job's prompts in turns of about two batches each (at least one turn; consecutive
+    parts, the prompts in order, named `NAME#i`): the engines take turns per turn rather than
+    per job, so every engine's share of a job spreads over the job's whole span and a change
+    of the machine's speed within it reaches every configuration alike."""
+    ps, bs = job["prompts"], job["batch_size"]
+    k = max(1, len(ps) // (2 * bs))
+    cuts = [len(ps) * i // k for i in range(k + 1)]
+    return [{**job, "name": f"{job['name']}#{i}", "prompts": ps[a:b]}
+            for i, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False))]
 
 
 def run_order(configs: tuple[str, ...], jobs: list, rounds: int) -> list[tuple[int, object, str]]:
@@ -581,7 +599,7 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
     from treedraft.training.models import resolve_model
     from treedraft.training.target import encode_chat
 
-    from .engine import Engine
+    from .engine import Engine, concat
 
     given = {"limit": limit, "max_new_tokens": max_new_tokens, "batch_sizes": batch_sizes,
              "temperatures": temperatures, "configs": configs, "enforce_eager": enforce_eager,
@@ -653,15 +671,20 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
                     engines[c].run(warm, progress=progress.events(c))
                 except RuntimeError as e:
                     lost(c, e)
-            for rnd, j, c in run_order(configs, jobs, rounds):
+            parts: dict[tuple, list[dict]] = {}  # (config, job, round) -> its turns' results
+            for rnd, (n, t), c in run_order(configs, [(n, t) for n, j in enumerate(jobs)
+                                                      for t in turns(j)], rounds):
                 if c not in engines:
                     continue
                 try:
-                    res = engines[c].run([j], progress=progress.events(c))
+                    res = engines[c].run([t], progress=progress.events(c))
                 except RuntimeError as e:
                     lost(c, e)
                     continue
-                rows.append({**_row(c, j, res[j["name"]]), "round": rnd})
+                parts.setdefault((c, n, rnd), []).append(res[t["name"]])
+            rows += [{**_row(c, jobs[n], concat(parts[c, n, rnd])), "round": rnd}
+                     for n in range(len(jobs)) for rnd in range(rounds) for c in configs
+                     if c in engines and (c, n, rnd) in parts]
             for i, c in enumerate(configs):  # each engine's own log (e.g. auto's choices)
                 if c in engines:
                     engines[c].close()

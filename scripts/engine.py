@@ -232,6 +232,33 @@ def counter_delta(before: dict, after: dict) -> dict:
             "mean_acceptance_length": 1 + accepted / drafts if drafts else None}
 
 
+def concat(results: list[dict]) -> dict:
+    """The results of several parts of one job (`_run_job`'s, in order) as one: per-request
+    lists and wave times joined, spec counters and the step profile summed, the mean
+    acceptance length recomputed from the sums."""
+    if len(results) == 1:
+        return results[0]
+    out: dict = {}
+    for k, v in results[0].items():
+        if isinstance(v, list):
+            out[k] = [x for r in results for x in r[k]]
+    specs = [r["spec"] for r in results]
+    depth = max(len(s["accepted_per_pos"]) for s in specs)
+    spec = {k: sum(s.get(k, 0) for s in specs) for k in ("drafts", "draft_tokens", "accepted",
+                                                          "preemptions")}
+    spec["accepted_per_pos"] = [sum(s["accepted_per_pos"][d] for s in specs
+                                    if d < len(s["accepted_per_pos"])) for d in range(depth)]
+    sources = [s.get("accepted_by_source") or {} for s in specs]
+    spec["accepted_by_source"] = {k: sum(src.get(k, 0) for src in sources)
+                                  for k in dict.fromkeys(k for src in sources for k in src)}
+    spec["mean_acceptance_length"] = (1 + spec["accepted"] / spec["drafts"] if spec["drafts"]
+                                      else None)
+    out["spec"] = spec
+    if "profile" in results[0]:
+        out["profile"] = {k: sum(r["profile"][k] for r in results) for k in results[0]["profile"]}
+    return out
+
+
 def sampling_params(kwargs: dict):
     """vLLM SamplingParams from JSON kwargs; `structured_outputs` given as a dict of
     StructuredOutputsParams fields (e.g. {"json": SCHEMA})."""

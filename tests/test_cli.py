@@ -468,8 +468,9 @@ def test_bench_reports_the_other_configs_when_one_engine_fails(tmp_path, monkeyp
     kw = dict(prompts="mtbench", limit=2, max_new_tokens=4, batch_sizes=[1], temperatures=[0],
               out=tmp_path / "b", rounds=1)
     rows = bench(configs=["no-spec", "ngram=3", "chain=2"], **kw)
-    # each engine warmed once, then the job: the failed engine gets no second call
-    assert len(calls) == 3 + 2 and {r["config"] for r in rows} == {"no-spec", "chain=2"}
+    # each engine warmed once, then the job's two turns (a queue of 4 at batch 1): the failed
+    # engine gets no second call
+    assert len(calls) == 3 + 2 * 2 and {r["config"] for r in rows} == {"no-spec", "chain=2"}
     out = capsys.readouterr().out
     assert "ngram=3 FAILED" in out and "Worker failed with error 'x'" in out
     assert "FAILED, not in the table: ngram=3" in out
@@ -633,3 +634,42 @@ def test_commands_without_overrides_refuse_unknown_flags(capsys):
         parse_args(["eval", "--max-steps=3"])
     assert "unrecognized arguments: --max-steps=3" in capsys.readouterr().err
 
+
+
+def test_bench_engines_take_turns_a_few_requests_at_a_time():
+    """A job is cut into turns of about two batches, run in alternating order turn by turn, so
+    that a slow spell reaches every configuration; a round's turns join into one result."""
+    from treedraft.scripts.bench import run_order, turns
+    from treedraft.scripts.engine import concat
+
+    job = {"name": "T0-bs1", "batch_size": 1, "prompts": [[i] for i in range(8)]}
+    parts = turns(job)
+    assert [t["name"] for t in parts] == [f"T0-bs1#{i}" for i in range(4)]
+    assert [t["prompts"] for t in parts] == [[[0], [1]], [[2], [3]], [[4], [5]], [[6], [7]]]
+    assert [len(t["prompts"]) for t in turns({**job, "batch_size": 8,
+                                              "prompts": [[0]] * 32})] == [16, 16]
+    assert [len(t["prompts"]) for t in turns({**job, "batch_size": 8,
+                                              "prompts": [[0]] * 3})] == [3]
+    assert [len(t["prompts"]) for t in turns({**job, "prompts": [[0]] * 5})] == [2, 3]
+    order = [(r, t["name"][-1], c) for r, t, c in run_order(("a", "b"), parts[:2], 2)]
+    assert order == [(0, "0", "a"), (0, "0", "b"), (1, "0", "b"), (1, "0", "a"),
+                     (0, "1", "a"), (0, "1", "b"), (1, "1", "b"), (1, "1", "a")]
+
+    def res(tokens, secs, drafts, accepted, per_pos, source):
+        return {"tokens": tokens, "wave_seconds": [sum(secs)], "request_seconds": secs,
+                "full_batch": [True] * len(tokens), "logprobs": [None] * len(tokens),
+                "spec": {"drafts": drafts, "draft_tokens": 3 * drafts, "accepted": accepted,
+                         "preemptions": 0, "accepted_per_pos": per_pos,
+                         "accepted_by_source": source,
+                         "mean_acceptance_length": 1 + accepted / drafts},
+                "profile": {"steps": drafts, "forward": 0.5}}
+
+    one = concat([res([[1, 2]], [1.0], 2, 2, [2, 0], {"head": 2}),
+                  res([[3], [4, 5, 6]], [0.5, 1.5], 4, 1, [1, 0, 0], {"lookup": 1})])
+    assert one["tokens"] == [[1, 2], [3], [4, 5, 6]] and one["request_seconds"] == [1.0, 0.5, 1.5]
+    assert one["wave_seconds"] == [1.0, 2.0] and len(one["logprobs"]) == 3
+    assert one["spec"] == {"drafts": 6, "draft_tokens": 18, "accepted": 3, "preemptions": 0,
+                           "accepted_per_pos": [3, 0, 0],
+                           "accepted_by_source": {"head": 2, "lookup": 1},
+                           "mean_acceptance_length": 1.5}
+    assert one["profile"] == {"steps": 6, "forward": 1.0}
