@@ -281,12 +281,14 @@ PROFILE_COLUMNS = ("step", "forward", "tree_attention", "verify", "kv_compaction
 
 def turns(job: dict) -> list[dict]:
     """A job's prompts in turns of about two batches each (at least one turn; consecutive
-    parts, the prompts in order, named `NAME#i`): the engines take turns per turn rather than
-    per job, so every engine's share of a job spreads over the job's whole span and a change
-    of the machine's speed within it reaches every configuration alike."""
+    parts cut at whole batches, so a turn of waves holds whole waves; the prompts in order,
+    named `NAME#i`): the engines take turns per turn rather than per job, so every engine's
+    share of a job spreads over the job's whole span and a change of the machine's speed
+    within it reaches every configuration alike."""
     ps, bs = job["prompts"], job["batch_size"]
-    k = max(1, len(ps) // (2 * bs))
-    cuts = [len(ps) * i // k for i in range(k + 1)]
+    batches = -(-len(ps) // bs)
+    k = max(1, batches // 2)
+    cuts = [min(len(ps), bs * (batches * i // k)) for i in range(k + 1)]
     return [{**job, "name": f"{job['name']}#{i}", "prompts": ps[a:b]}
             for i, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False))]
 

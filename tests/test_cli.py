@@ -651,6 +651,9 @@ def test_bench_engines_take_turns_a_few_requests_at_a_time():
     assert [len(t["prompts"]) for t in turns({**job, "batch_size": 8,
                                               "prompts": [[0]] * 3})] == [3]
     assert [len(t["prompts"]) for t in turns({**job, "prompts": [[0]] * 5})] == [2, 3]
+    # cut at whole batches (a turn of waves holds whole waves): 40 prompts at batch 8
+    assert [len(t["prompts"]) for t in turns({**job, "batch_size": 8,
+                                              "prompts": [[0]] * 40})] == [16, 24]
     order = [(r, t["name"][-1], c) for r, t, c in run_order(("a", "b"), parts[:2], 2)]
     assert order == [(0, "0", "a"), (0, "0", "b"), (1, "0", "b"), (1, "0", "a"),
                      (0, "1", "a"), (0, "1", "b"), (1, "1", "b"), (1, "1", "a")]
@@ -673,3 +676,12 @@ def test_bench_engines_take_turns_a_few_requests_at_a_time():
                            "accepted_by_source": {"head": 2, "lookup": 1},
                            "mean_acceptance_length": 1.5}
     assert one["profile"] == {"steps": 6, "forward": 1.0}
+    # waves: two turns of whole waves (16 and 24 prompts at batch 8) make one row of 5 waves
+    from treedraft.scripts.bench import _row
+
+    spec = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": [],
+            "mean_acceptance_length": None}
+    waves = concat([{"tokens": [[1] * 4] * n, "wave_seconds": [1.0] * (n // 8),
+                     "spec": spec} for n in (16, 24)])
+    row = _row("no-spec", {"batch_size": 8, "params": {"temperature": 0}}, waves)
+    assert row["tokens"] == 160 and row["tpot_ms"] == 250.0
