@@ -75,6 +75,7 @@ to start on a 2-core CPU); `--full` compiles, as `vllm serve` does by default.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from pathlib import Path
@@ -290,7 +291,7 @@ def turns(job: dict) -> list[dict]:
     k = max(1, batches // 2)
     cuts = [min(len(ps), bs * (batches * i // k)) for i in range(k + 1)]
     return [{**job, "name": f"{job['name']}#{i}", "prompts": ps[a:b]}
-            for i, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False))]
+            for i, (a, b) in enumerate(itertools.pairwise(cuts))]
 
 
 def run_order(configs: tuple[str, ...], jobs: list, rounds: int) -> list[tuple[int, object, str]]:
@@ -647,7 +648,7 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
     if _cuda():  # the engines are up side by side: each gets its share of the GPU's memory
         llm["gpu_memory_utilization"] = round(0.9 / len(configs), 3)
     engines: dict[str, Engine] = {}
-    rows, failed = [], []
+    failed = []
     t0 = time.perf_counter()
 
     def lost(c: str, e: RuntimeError) -> None:  # a failed engine: the others go on
@@ -657,7 +658,6 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
         i = configs.index(c)
         (out / f"engine-{i}.log").write_text(str(e))
         failed.append(c)
-        rows[:] = [r for r in rows if r["config"] != c]
         print(f"[bench] {c} FAILED (its log: {out / f'engine-{i}.log'}): "
               f"{str(e).strip().splitlines()[-1][:300]}; the other configurations go on",
               flush=True)
@@ -684,9 +684,10 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
                     lost(c, e)
                     continue
                 parts.setdefault((c, n, rnd), []).append(res[t["name"]])
-            rows += [{**_row(c, jobs[n], concat(parts[c, n, rnd])), "round": rnd}
-                     for n in range(len(jobs)) for rnd in range(rounds) for c in configs
-                     if c in engines and (c, n, rnd) in parts]
+            # rows once every turn ran: a failed engine's turns are left out with it
+            rows = [{**_row(c, jobs[n], concat(parts[c, n, rnd])), "round": rnd}
+                    for n in range(len(jobs)) for rnd in range(rounds) for c in configs
+                    if c in engines and (c, n, rnd) in parts]
             for i, c in enumerate(configs):  # each engine's own log (e.g. auto's choices)
                 if c in engines:
                     engines[c].close()

@@ -635,7 +635,6 @@ def test_commands_without_overrides_refuse_unknown_flags(capsys):
     assert "unrecognized arguments: --max-steps=3" in capsys.readouterr().err
 
 
-
 def test_bench_engines_take_turns_a_few_requests_at_a_time():
     """A job is cut into turns of about two batches, run in alternating order turn by turn, so
     that a slow spell reaches every configuration; a round's turns join into one result."""
