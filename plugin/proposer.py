@@ -108,7 +108,6 @@ class AutoArms:
         self._last_end: float | None = None
         self._gaps: deque[float] = deque(maxlen=32)
         self._planned = False  # this step ran an arm
-        self._first: dict[str, int] = {}  # per request: the first token the head drafted last step
         self._logged: dict = {}  # per context: (best, arms measured) last logged, and when
 
         self.steps: dict[tuple, int] = defaultdict(int)  # steps per (context, arm)
@@ -157,21 +156,9 @@ class AutoArms:
             self._gaps.append(now - self._last_end)
         self._start = now
 
-    def step_done(self, scheduler_output, sampled: list[tuple[str, list[int]]],
-                  drafted: dict[str, int]) -> None:
-        """The step that ends now gave its requests `sampled` (req_id, its tokens: 1 + accepted
-        drafts), and drafted `drafted` (req_id -> the first token its head drafted) for the
-        next. Whether the target took each request's first draft of the step before is the
-        policy's `first` (heads/policy.py)."""
+    def step_done(self, scheduler_output, tokens: int, requests: int) -> None:
+        """The step that ends now gave `tokens` (1 + accepted drafts each) to `requests`."""
         now = time.perf_counter()
-        tokens, first = 0, [0, 0, 0, 0]  # taken: requests, tokens; not taken: requests, tokens
-        for req_id, s in sampled:
-            tokens += len(s)
-            if s and (f := self._first.get(req_id)) is not None:
-                j = 0 if s[0] == f else 2
-                first[j] += 1
-                first[j + 1] += len(s)
-        self._first = drafted
         if not self._planned:
             self.bandit.idle()
         elif self._start is not None:
@@ -180,7 +167,7 @@ class AutoArms:
                           for r, n in scheduler_output.num_scheduled_tokens.items())
             gap = statistics.median(self._gaps) if self._gaps else 0.0
             self.bandit.observe(tokens, now - self._start + gap, usable=not prefill,
-                                requests=len(sampled), first=tuple(first))
+                                requests=requests)
         self._planned = False
         self._start, self._last_end = None, now
 
@@ -413,9 +400,7 @@ class TreeDraftProposer:
             self.trees[req_id], self.sources[req_id] = hybrid.tree, hybrid.sources
             drafts[i] = hybrid.tree.tokens[1 : budget + 1].tolist()  # make_request keeps these
         if self.auto is not None:
-            self.auto.step_done(scheduler_output, [(r, s) for _, r, s, _ in work],
-                                {r: drafts[i][0] for i, r, *_ in eligible
-                                 if drafts[i] and spec.has_head})
+            self.auto.step_done(scheduler_output, sum(len(s) for _, _, s, _ in work), len(work))
         self.last_draft_probs = self._draft_probs(runner, drafts, probs) if probs else None
         if probs:
             logger.info_once(

@@ -905,46 +905,28 @@ def test_auto_measures_steps_that_drafted_and_verified_one_arm_without_prefill()
     auto = AutoArms(parse_tree_spec("chain:3"), None)
     b = auto.bandit
 
-    def step(scheduled, spec, tokens, plan=True, pause=0.0, sampled=None, drafted=None):
+    def step(scheduled, spec, tokens, plan=True, pause=0.0):
         auto.step_started()
         if plan:
             auto.plan(len(scheduled))
         time.sleep(pause)
-        sampled = sampled or [(r, [7] * (tokens // len(scheduled))) for r in scheduled]
         auto.step_done(SimpleNamespace(num_scheduled_tokens=scheduled,
-                                       scheduled_spec_decode_tokens=spec), sampled, drafted or {})
+                                       scheduled_spec_decode_tokens=spec), tokens, len(scheduled))
 
     step({"a": 40}, {}, 1)  # a prefill chunk: not measured
     step({"a": 1}, {}, 1, pause=0.01)  # after it (same arm): measured
-    arm = b.measured((1, False))[0]
+    arm = b.stats[(1, False)][0]
     assert arm.steps == 1 and arm.tokens == 1 and arm.seconds >= 0.01
     step({"a": 1, "b": 30}, {}, 1)  # b's prefill: batch 2, another context, not measured
     step({"a": 1, "b": 1}, {}, 2)  # measured: the step before ran its arm
-    assert sum(a.steps for a in b.measured((2, False))) == 1
+    assert sum(a.steps for a in b.stats[(2, False)]) == 1
     step({"a": 1, "b": 1}, {}, 2, plan=False)  # nothing drafted: no arm ran
     step({"a": 1, "b": 1}, {}, 2)  # verifies no arm's drafts: not measured
-    assert sum(a.steps for a in b.measured((2, False))) == 1
+    assert sum(a.steps for a in b.stats[(2, False)]) == 1
     step({"a": 1, "b": 1}, {}, 2)
-    assert sum(a.steps for a in b.measured((2, False))) == 2
-    assert sum(a.tokens for a in b.measured((2, False))) == 2  # 1 token per request, 2 steps
+    assert sum(a.steps for a in b.stats[(2, False)]) == 2
+    assert sum(a.tokens for a in b.stats[(2, False)]) == 2  # 1 token per request, 2 steps
     assert "steps by arm: none" in auto.tally() and "batch <= 1 greedy none" in auto.tally()
     # the log line of a context counts that context's steps; the tally every context's
     assert auto.steps_in((1, False)) == {"none": 2} and auto.steps_in((2, False)) == {"none": 4}
     assert "steps by arm: none 6;" in auto.tally()
-    # whether the target took each request's first draft of the step before: a's (5, taken,
-    # 3 tokens) and b's (6: the target's token was 9, 1 token); c drafted nothing before
-    step({"a": 1, "b": 1}, {}, 2, drafted={"a": 5, "b": 6})
-    step({"a": 3, "b": 3, "c": 1}, {"a": [5, 1], "b": [6, 2]}, 0,
-         sampled=[("a", [5, 1, 4]), ("b", [9]), ("c", [3])])
-    assert b.first[(4, False)] == [1.0, 2.0]  # a new context (batch 3): pooled, measured or not
-    step({"a": 1, "b": 1}, {}, 2, drafted={"a": 5, "b": 6})  # back to batch 2: a new window
-    arms = b.measured((2, False))
-    before = [sum(getattr(a, k) for a in arms) for k in ("hit", "hit_tokens", "miss",
-                                                         "miss_tokens")]
-    step({"a": 3, "b": 3}, {"a": [5, 1], "b": [6, 2]}, 0,
-         sampled=[("a", [5, 1, 4]), ("b", [9])])
-    after = [sum(getattr(a, k) for a in b.measured((2, False))) for k in (
-        "hit", "hit_tokens", "miss", "miss_tokens")]
-    # measured (the same arm as the step before), per request: a taken with 3 tokens, b not
-    assert [x - y for x, y in zip(after, before, strict=True)] == [0.5, 1.5, 0.5, 0.5]
-    assert b.first[(2, False)][1] >= 2
