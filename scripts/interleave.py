@@ -18,9 +18,19 @@ joining as one finishes: a server's queue, where a request that speculation fini
 frees its slot at once (in groups it gains nothing until the slowest ends); each pass is then
 one paired ratio, so use several passes.
 
-Prints one line per prompt group and, per configuration, total seconds and speed against the
-first configuration (ratio of totals, median of per-group ratios, the last pass alone); writes
-them as JSON to `--out`. Measures speed only: exactness is what the tests check.
+`--lockstep` pairs slice by slice: every engine gets the whole queue (as `--continuous`), and the
+engines take turns a slice of work at a time (`--slice-tokens` output tokens per batch slot,
+default 64), each stepping (`LLMEngine.step`) until it has produced as many tokens as the
+others: they run the same queue at the same moment, a few seconds apart, so neither the
+machine's drift nor easier text favours one of them. Two engines of the same configuration
+(`--config X --config X`, the second named `X #2`) show the spread that is left: on a 2-core
+Xeon they agreed within 3 % this way where whole passes as turns had them 16 % apart
+(scripts/BENCHMARKS.md).
+
+Prints one line per prompt group (with `--lockstep`, per pass) and, per configuration, total
+seconds and speed against the first configuration (ratio of totals, median of per-group or
+per-slice ratios, the last pass alone); writes them as JSON to `--out`. Measures speed only:
+exactness is what the tests check.
 """
 
 from __future__ import annotations
@@ -61,6 +71,35 @@ def plan(prompts: list, batch: int, continuous: bool) -> tuple[list[list], int]:
     return [list(prompts[i:i + batch]) for i in range(0, len(prompts), batch)], max(4, batch)
 
 
+def engine_labels(configs: list[str]) -> list[str]:
+    """One name per engine: a repeated config is another engine of it, 'X #2' (an A/A pair)."""
+    seen: dict[str, int] = {}
+    labels = []
+    for c in configs:
+        seen[c] = seen.get(c, 0) + 1
+        labels.append(c if seen[c] == 1 else f"{c} #{seen[c]}")
+    return labels
+
+
+def lockstep(names: list[str], step, busy, slice_tokens: int) -> dict[str, list[float]]:
+    """Seconds per slice of every engine working through the same queue in turns: in slice i
+    each engine (the order rotating by slice) calls `step(name)` (one engine step, returning the
+    output tokens it produced) until it has produced `i * slice_tokens` tokens in all or
+    `busy(name)` is false (its queue is done). Engines given the same work produce the same
+    tokens, so they end in the same slice and each slice's seconds are paired."""
+    times: dict[str, list[float]] = {c: [] for c in names}
+    made = dict.fromkeys(names, 0)
+    i = 0
+    while any(busy(c) for c in names):
+        i += 1
+        for c in names[i % len(names):] + names[:i % len(names)]:
+            t = time.perf_counter()
+            while made[c] < i * slice_tokens and busy(c):
+                made[c] += step(c)
+            times[c].append(time.perf_counter() - t)
+    return times
+
+
 def runner_of(llm):
     """The V1 model runner of an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0), or None
     where this vLLM lays its engine out otherwise."""
@@ -99,6 +138,12 @@ def main(argv=None) -> None:
                    help="each engine generates all prompts in one call, at most --batch running "
                         "and the next joining as one finishes (a server's queue), instead of "
                         "groups of --batch that last as long as their slowest request")
+    p.add_argument("--lockstep", action="store_true",
+                   help="every engine gets the whole queue (as --continuous) and the engines take "
+                        "turns a slice of --slice-tokens at a time, so they run the same text at "
+                        "the same moment (module doc)")
+    p.add_argument("--slice-tokens", type=int, default=64,
+                   help="with --lockstep: output tokens per batch slot in a slice (default 64)")
     p.add_argument("--profile", action="store_true",
                    help="also time each engine's step phases (plugin/profile.py) and print "
                         "milliseconds per step by phase and engine")
@@ -108,8 +153,9 @@ def main(argv=None) -> None:
                         "32 for treedraft's tree-mode engines)")
     p.add_argument("--out", default="runs/interleave.json")
     args = p.parse_args(argv)
-    if len(set(args.config)) != len(args.config):
-        p.error("each --config once")
+    if args.slice_tokens < 1:
+        p.error(f"--slice-tokens {args.slice_tokens}: at least 1 token per slice")
+    labels = engine_labels(args.config)
     if args.batch < 1:
         p.error(f"--batch {args.batch}: at least 1 prompt per generation")
 
@@ -129,16 +175,19 @@ def main(argv=None) -> None:
     from vllm.inputs import TokensPrompt
 
     head = str(resolve_head(args.head))
-    specs = {c: speculative_config(c, head) for c in args.config}  # fails early on a bad one
+    specs = {label: speculative_config(c, head)  # fails early on a bad one
+             for label, c in zip(labels, args.config, strict=True)}
     target = str(resolve_model(args.target))
     tok = AutoTokenizer.from_pretrained(target)
     ds = load_prompts(args.prompts, limit=args.limit, stride=args.stride)
     prompts = [encode_chat(tok, first_turn(m)) for m in ds["messages"]]
-    groups, max_num_seqs = plan(prompts, args.batch, args.continuous)
+    groups, max_num_seqs = plan(prompts, args.batch, args.continuous or args.lockstep)
     dtype = resolve_dtype(args.dtype)
     print(f"[interleave] {describe()}; {len(prompts)} {args.prompts} prompts x "
           f"{args.max_new_tokens} tokens, batch {args.batch}"
-          f"{' (a queue: continuous batching)' if args.continuous else ''}, T={args.temperature}, "
+          f"{' (a queue: continuous batching)' if args.continuous or args.lockstep else ''}"
+          f"{f', in lockstep slices of {args.slice_tokens} tokens' if args.lockstep else ''}"
+          f", T={args.temperature}, "
           f"{args.passes} passes, {dtype}",
           flush=True)
     kw = {"enforce_eager": True, "max_model_len": 2048, "dtype": dtype, "seed": 0,
@@ -160,11 +209,36 @@ def main(argv=None) -> None:
                 p.error("--profile needs the engine's runner in this process; this vLLM lays "
                         "its engine out otherwise")
             profiles[c] = instrument(runner, folder / f"engine-{i}.json")
+    from vllm.sampling_params import RequestOutputKind
+
+    # --lockstep counts each step's new tokens (DELTA)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens,
-                            ignore_eos=True, seed=1)
+                            ignore_eos=True, seed=1,
+                            output_kind=RequestOutputKind.DELTA if args.lockstep
+                            else RequestOutputKind.CUMULATIVE)
     names, times = list(engines), {c: [] for c in engines}
+    if args.lockstep:
+        cores = {c: engines[c].llm_engine for c in names}
+
+        def step(c: str) -> int:
+            return sum(len(o.outputs[0].token_ids) for o in cores[c].step() if o.outputs)
+
+        per_pass = 0
+        for pass_ in range(args.passes):
+            for c in names:
+                for j, q in enumerate(prompts):
+                    cores[c].add_request(f"p{pass_}-{j}", TokensPrompt(prompt_token_ids=q),
+                                         params)
+            got = lockstep(names, step, lambda c: cores[c].has_unfinished_requests(),
+                           args.slice_tokens * args.batch)
+            per_pass = len(got[names[0]])
+            for c in names:
+                times[c] += got[c]
+            print(f"[interleave] pass {pass_ + 1}/{args.passes} ({per_pass} slices): "
+                  + ", ".join(f"{c} {sum(got[c]):.2f} s" for c in names), flush=True)
+        groups = [None] * per_pass  # summarize's "last pass": the last pass's slices
     k = 0
-    for pass_ in range(args.passes):
+    for pass_ in range(0 if args.lockstep else args.passes):
         for i, group in enumerate(groups):
             for c in names[k % len(names):] + names[:k % len(names)]:
                 t = time.perf_counter()
@@ -177,7 +251,8 @@ def main(argv=None) -> None:
     summary = summarize(times, len(groups))
     tallies = {c: auto_tally(engines[c]) for c in names}
     for c, s in summary.items():
-        print(f"{c}: {s['seconds']:.1f} s, {s['vs_first']:.3f}x {names[0]} (median per group "
+        print(f"{c}: {s['seconds']:.1f} s, {s['vs_first']:.3f}x {names[0]} (median per "
+              f"{'slice' if args.lockstep else 'group'} "
               f"{s['median_vs_first']:.3f}x, last pass {s['last_pass_vs_first']:.3f}x)"
               + (f"; auto: {tallies[c]}" if tallies[c] else ""))
     phases = {}

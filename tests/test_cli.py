@@ -229,6 +229,34 @@ def test_interleave_summary_pairs_prompts_against_the_first_config():
     with pytest.raises(ValueError, match="fast: 1 generations timed, the baseline has 2"):
         summarize({"base": [1.0, 1.0], "fast": [1.0]}, per_pass=2)
 
+def test_interleave_lockstep_slices_equal_work_in_turns():
+    """scripts/interleave.py --lockstep: in every slice each engine steps until it has made the
+    slice's share of tokens (or ends), the order rotating by slice; engines given the same work
+    end in the same slice, so each slice's seconds are paired."""
+    from treedraft.scripts.interleave import engine_labels, lockstep
+
+    assert engine_labels(["no-spec", "chain=3", "no-spec", "no-spec"]) == [
+        "no-spec", "chain=3", "no-spec #2", "no-spec #3"]  # A/A engines get their own names
+
+    left = {"fast": 20, "slow": 20}  # tokens each engine's queue still holds
+    per_step = {"fast": 3, "slow": 1}
+    calls = []
+
+    def step(c):
+        calls.append(c)
+        made = min(per_step[c], left[c])
+        left[c] -= made
+        return made
+
+    times = lockstep(["slow", "fast"], step, lambda c: left[c] > 0, slice_tokens=6)
+    assert left == {"fast": 0, "slow": 0}
+    assert len(times["fast"]) == len(times["slow"]) == 4  # 6, 12, 18, 20 tokens
+    assert calls.count("fast") == 7 and calls.count("slow") == 20
+    # slice 1 starts with "fast" (rotation by slice index), slice 2 with "slow"
+    assert calls[:3] == ["fast", "fast", "slow"] and calls[8:10] == ["slow"] * 2
+    assert calls[14:16] == ["fast", "fast"]
+
+
 def test_bench_rounds_alternate_and_merge_to_paired_medians():
     from treedraft.scripts.bench import markdown, merge_rounds, run_order
 
