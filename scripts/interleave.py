@@ -71,6 +71,11 @@ def plan(prompts: list, batch: int, continuous: bool) -> tuple[list[list], int]:
     return [list(prompts[i:i + batch]) for i in range(0, len(prompts), batch)], max(4, batch)
 
 
+def rotated(names: list[str], k: int) -> list[str]:
+    """The engines' order for turn `k`: each turn starts one engine later."""
+    return names[k % len(names):] + names[:k % len(names)]
+
+
 def engine_labels(configs: list[str]) -> list[str]:
     """One name per engine: a repeated config is another engine of it, 'X #2' (an A/A pair)."""
     seen: dict[str, int] = {}
@@ -92,7 +97,7 @@ def lockstep(names: list[str], step, busy, slice_tokens: int) -> dict[str, list[
     i = 0
     while any(busy(c) for c in names):
         i += 1
-        for c in names[i % len(names):] + names[:i % len(names)]:
+        for c in rotated(names, i):
             t = time.perf_counter()
             while made[c] < i * slice_tokens and busy(c):
                 made[c] += step(c)
@@ -153,6 +158,8 @@ def main(argv=None) -> None:
                         "32 for treedraft's tree-mode engines)")
     p.add_argument("--out", default="runs/interleave.json")
     args = p.parse_args(argv)
+    if args.passes < 1:
+        p.error(f"--passes {args.passes}: at least 1 pass")
     if args.slice_tokens < 1:
         p.error(f"--slice-tokens {args.slice_tokens}: at least 1 token per slice")
     labels = engine_labels(args.config)
@@ -223,7 +230,6 @@ def main(argv=None) -> None:
         def step(c: str) -> int:
             return sum(len(o.outputs[0].token_ids) for o in cores[c].step() if o.outputs)
 
-        per_pass = 0
         for pass_ in range(args.passes):
             for c in names:
                 for j, q in enumerate(prompts):
@@ -236,19 +242,19 @@ def main(argv=None) -> None:
                 times[c] += got[c]
             print(f"[interleave] pass {pass_ + 1}/{args.passes} ({per_pass} slices): "
                   + ", ".join(f"{c} {sum(got[c]):.2f} s" for c in names), flush=True)
-        groups = [None] * per_pass  # summarize's "last pass": the last pass's slices
-    k = 0
-    for pass_ in range(0 if args.lockstep else args.passes):
-        for i, group in enumerate(groups):
-            for c in names[k % len(names):] + names[:k % len(names)]:
-                t = time.perf_counter()
-                engines[c].generate([TokensPrompt(prompt_token_ids=q) for q in group], params,
-                                    use_tqdm=False)
-                times[c].append(time.perf_counter() - t)
-            k += 1
-            print(f"[interleave] pass {pass_ + 1}/{args.passes} group {i + 1}/{len(groups)}: "
-                  + ", ".join(f"{c} {times[c][-1]:.2f} s" for c in names), flush=True)
-    summary = summarize(times, len(groups))
+    else:
+        per_pass, k = len(groups), 0
+        for pass_ in range(args.passes):
+            for i, group in enumerate(groups):
+                for c in rotated(names, k):
+                    t = time.perf_counter()
+                    engines[c].generate([TokensPrompt(prompt_token_ids=q) for q in group],
+                                        params, use_tqdm=False)
+                    times[c].append(time.perf_counter() - t)
+                k += 1
+                print(f"[interleave] pass {pass_ + 1}/{args.passes} group {i + 1}/{len(groups)}: "
+                      + ", ".join(f"{c} {times[c][-1]:.2f} s" for c in names), flush=True)
+    summary = summarize(times, per_pass)  # "last pass": its groups, or its slices
     tallies = {c: auto_tally(engines[c]) for c in names}
     for c, s in summary.items():
         print(f"{c}: {s['seconds']:.1f} s, {s['vs_first']:.3f}x {names[0]} (median per "
