@@ -2,12 +2,19 @@
 end, then timing. torch and triton only (no vLLM, no transformers): the kernel file is loaded
 by its path, treedraft's heads (pure torch) from this checkout when no package is installed.
 
-On a GPU machine (one run < 8 min; internal deadline 420 s):
+On a GPU machine (one run < 8 min; internal deadline 420 s from the process's start):
     python scripts/gpu_check.py --out /tmp/gpu_check
 CPU dry run (the same code under Triton's interpreter, tiny shapes, about a minute):
     python scripts/gpu_check.py --cpu-smoke --out /tmp/gpu_check_cpu
 
-Writes DIR/gpu_check.json and DIR/gpu_check.md; exits 1 if any case failed.
+Writes DIR/gpu_check.json and DIR/gpu_check.md; exits 1 if any case failed, 2 if the kernel
+cannot run here at all (the preflight below), so that a broken machine costs seconds, not the
+deadline.
+- preflight: what Triton's first launch needs on a GPU (a C compiler, Python's headers; Triton
+  builds its CUDA launcher with them) and one small tree step through the kernel against the
+  torch twin. If that step raises, nothing else runs. The matrix also stops once its first
+  `FAIL_FAST` cases all raised (a systematic failure: a compile or launch error), recorded as
+  `stopped`; views, decode and timing still run.
 - correctness: a shuffled matrix (bf16/fp16/fp32; Hq/Hkv/D of Llama-3.1-8B, Qwen2.5-7B,
   Qwen3-8B/14B, SmolLM2-135M and a 64/8/128 model; block sizes 16/32/64; LBNHC and LBHNC
   caches; prefixes up to 16k; 1-8 trees of 1-64 nodes; split-KV auto or forced) against the
@@ -40,14 +47,19 @@ import argparse
 import importlib.util
 import json
 import math
+import os
 import random
+import shutil
 import sys
+import sysconfig
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+T0 = time.perf_counter()  # the deadline counts from the process's start (torch's import too)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 KERNEL_PATH = Path(__file__).resolve().parents[1] / "plugin" / "tree_kernel.py"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -62,6 +74,7 @@ SMOKE_HEADS = {"4/2/16": (4, 2, 16), "7/1/16": (7, 1, 16), "9/3/32": (9, 3, 32)}
 TIMING = [(1, 1024, 16), (1, 8192, 64), (8, 4096, 16), (8, 4096, 64), (32, 2048, 32),
           (32, 8192, 16), (64, 4096, 8)]
 SMOKE_TIMING = [(1, 96, 4), (2, 64, 8)]
+FAIL_FAST = 3  # the matrix stops when its first cases all raised
 PEAK_GBPS = [("H200", 4800.0), ("H100 NVL", 3900.0), ("H100 PCIe", 2000.0), ("H100", 3350.0),
              ("A100-SXM4-80GB", 2039.0), ("A100", 1555.0), ("L40S", 864.0)]
 
@@ -511,8 +524,16 @@ def markdown(report: dict) -> str:
 
     lines = [f"# tree_kernel GPU check: {report['device']}", "",
              f"torch {report['torch']}, triton {report['triton']}; "
-             f"{report['elapsed_s']:.0f} s; all ok: {report['all_ok']}", "",
-             "| dtype | heads | cases | passed | max abs err | max err / (1 + abs ref) |",
+             f"{report['elapsed_s']:.0f} s; all ok: {report['all_ok']}", ""]
+    pre = report.get("preflight") or {}
+    if pre:
+        lines += [f"preflight: C compiler {pre.get('cc')}, Python.h {pre.get('python_h')}; "
+                  + (f"the kernel FAILED: {pre['error']}" if "error" in pre else
+                     f"a 5-node tree step {'ok' if pre.get('ok') else 'WRONG'} "
+                     f"(err {pre.get('err', float('nan')):.2e})"), ""]
+    if report.get("stopped"):
+        lines += [f"matrix stopped: {report['stopped']}", ""]
+    lines += ["| dtype | heads | cases | passed | max abs err | max err / (1 + abs ref) |",
              "|---|---|---|---|---|---|"]
     for r in report["summary"]:
         lines.append(f"| {r['dtype']} | {r['heads']} | {r['cases']} | {r['passed']} | "
@@ -556,8 +577,27 @@ def guarded(fn, *args, **info) -> dict:
         return info | dict(ok=False, err=float("nan"), error=f"{type(e).__name__}: {e}"[:500])
 
 
-def run(out_dir: Path, deadline: float, smoke: bool) -> dict:
-    t0 = time.perf_counter()
+def toolchain() -> dict:
+    """What Triton's first launch on a GPU needs from the machine: a C compiler (it builds its
+    CUDA launcher) and Python's headers."""
+    cc = os.environ.get("CC") or next(
+        (c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+    include = sysconfig.get_paths().get("include", "")
+    return dict(cc=shutil.which(cc) if cc else None,
+                python_h=os.path.exists(os.path.join(include, "Python.h")))
+
+
+def preflight(device: torch.device, tol: dict) -> dict:
+    """One small tree step (SmolLM2's heads, bf16, a 5-node tree over a 37-token prefix)
+    through the kernel against the torch twin, and the toolchain: the run goes on only where
+    this step computes."""
+    hq, hkv, d = HEADS["smollm2-135m"]
+    spec = Spec("bf16", "smollm2-135m", (hq, hkv, d), 16, "LBNHC", [(37, 5, "random")], None,
+                12345)
+    return toolchain() | guarded(check_case, spec, device, tol, **asdict(spec))
+
+
+def run(out_dir: Path, deadline: float, smoke: bool, t0: float = T0) -> dict:
     device = torch.device("cpu" if smoke else "cuda")
     if not smoke and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --cpu-smoke for the CPU dry run")
@@ -569,35 +609,54 @@ def run(out_dir: Path, deadline: float, smoke: bool) -> dict:
         device=torch.cuda.get_device_name(device) if device.type == "cuda"
         else "cpu (Triton interpreter)", torch=torch.__version__, triton=triton.__version__,
         cpu_smoke=smoke, deadline_s=deadline, elapsed_s=0.0, all_ok=False, summary=[],
-        timing=[], views={}, decode={}, correctness=[], not_run=len(specs))
+        preflight={}, stopped=None, timing=[], views={}, decode={}, correctness=[],
+        not_run=len(specs))
     cases, timing = report["correctness"], report["timing"]
 
     def save() -> None:  # after every phase: a killed run still leaves its results
         report.update(elapsed_s=time.perf_counter() - t0, summary=summary(cases),
-                      not_run=len(specs), all_ok=bool(cases) and all(c["ok"] for c in cases)
+                      not_run=len(specs),
+                      all_ok=report["preflight"].get("ok", False) and bool(cases)
+                      and all(c["ok"] for c in cases)
                       and report["views"].get("ok", False) and report["decode"].get("ok", False))
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=1))
         (out_dir / "gpu_check.md").write_text(markdown(report))
 
     def correctness(until: float) -> None:
-        while specs and time.perf_counter() - t0 < until:
+        while specs and time.perf_counter() - t0 < until and report["stopped"] is None:
             spec = specs.pop()
             c = guarded(check_case, spec, device, tol, **asdict(spec))
             cases.append(c)
             print(f"[{time.perf_counter() - t0:6.1f}s] {c['dtype']} {c['heads']} bs{c['bs']} "
                   f"{c['layout']} trees={c['trees']} nseg={c.get('nseg')} err={c['err']:.2e} "
                   f"{'ok' if c['ok'] else 'FAIL ' + c.get('error', '')}", flush=True)
+            if len(cases) == FAIL_FAST and all("error" in c for c in cases):
+                report["stopped"] = (f"the first {FAIL_FAST} cases all raised (a systematic "
+                                     f"failure), e.g. {cases[0]['error']}")
+                print(f"matrix stopped: {report['stopped']}", flush=True)
 
+    pre = report["preflight"] = preflight(device, tol)
+    print(f"[{time.perf_counter() - t0:6.1f}s] preflight {pre}", flush=True)
+    if "error" in pre:
+        save()
+        print(markdown(report))
+        print(f"the kernel cannot run on this machine: {pre['error']} (C compiler: "
+              f"{pre['cc']}, Python.h: {pre['python_h']}); nothing else was run",
+              file=sys.stderr, flush=True)
+        raise SystemExit(2)
     correctness(0.55 * deadline)
     report["views"] = guarded(check_views, device)
     report["decode"] = guarded(check_decode, device, smoke)
     print(f"[{time.perf_counter() - t0:6.1f}s] decode {report['decode']}", flush=True)
     save()
+    last = 0.0  # seconds the last timing config took: the next one starts only if it fits
     for B, P, n in SMOKE_TIMING if smoke else TIMING:
-        if time.perf_counter() - t0 > 0.9 * deadline:
+        if time.perf_counter() - t0 + last > 0.95 * deadline:
             break
+        started = time.perf_counter()
         timing.append(guarded(time_config, B, P, n, device, smoke, B=B, P=P, n=n))
+        last = time.perf_counter() - started
         print(f"[{time.perf_counter() - t0:6.1f}s] timing {timing[-1]}", flush=True)
         save()
     correctness(deadline)
@@ -610,7 +669,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for the JSON and markdown")
     ap.add_argument("--deadline", type=float, default=None,
-                    help="seconds before the matrix stops (default 420 on GPU, 60 on CPU)")
+                    help="seconds from the process's start before the matrix stops "
+                         "(default 420 on GPU, 60 on CPU)")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="CPU dry run: the interpreter on tiny shapes")
     args = ap.parse_args()

@@ -15,7 +15,8 @@ Proves, on steps of several trees (chain, star, random, one longer than a q-tile
 - kv_views equal FlashAttention's own split of the cache and the CPU layout's definition;
   copy_slots equals copying slot by slot; TreeMeta's bits equal tree_buffers' ancestor mask;
 - the module imports without vLLM (and triton only on first launch); scripts/gpu_check.py
-  --cpu-smoke runs its whole matrix/timing path and passes.
+  --cpu-smoke runs its whole matrix/timing path and passes; where the kernel raises, the GPU
+  check stops after its preflight, and a matrix whose first cases all raise stops early.
 
 Triton's interpreter: triton decides interpreted vs compiled when `triton.jit` runs, and its
 own @jit helpers (tl.max, tl.zeros, ...) were decorated when triton was first imported. The
@@ -413,3 +414,55 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert decode["ok"] and decode["specs"], decode
     assert all(r["same"] and r["max_accepted"] >= 2 and r["compactions"]
                for r in decode["specs"].values()), decode
+
+
+def _gpu_check_module(monkeypatch):
+    """scripts/gpu_check.py imported by path (as the GPU machine runs it)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check_under_test",
+                                                  ROOT / "scripts" / "gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, mod)  # its dataclasses resolve through it
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gpu_check_stops_at_once_where_the_kernel_cannot_run(tmp_path, monkeypatch, capsys):
+    """A machine where the kernel raises (e.g. Triton cannot build its launcher) costs the
+    preflight's one step, not the deadline: nothing else runs, the reason is in the report."""
+    gc = _gpu_check_module(monkeypatch)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("Failed to find C compiler")
+
+    monkeypatch.setattr(gc.tk, "tree_attention", broken)
+    with pytest.raises(SystemExit) as stop:
+        gc.run(tmp_path, deadline=60.0, smoke=True)
+    assert stop.value.code == 2
+    assert "cannot run on this machine: RuntimeError: Failed" in capsys.readouterr().err
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert "Failed to find C compiler" in report["preflight"]["error"]
+    assert report["correctness"] == [] and report["timing"] == [] and not report["all_ok"]
+    assert "the kernel FAILED" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_gpu_check_matrix_stops_when_its_first_cases_all_raise(tmp_path, monkeypatch):
+    """A systematic failure after a good preflight (every case raising) stops the matrix after
+    FAIL_FAST cases, says so, and still runs views, decode and timing."""
+    gc = _gpu_check_module(monkeypatch)
+    real, calls = gc.check_case, []
+
+    def failing_after_preflight(*args, **kwargs):
+        calls.append(args[0])
+        if len(calls) > 1:
+            raise RuntimeError("out of resource: shared memory")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gc, "check_case", failing_after_preflight)
+    report = gc.run(tmp_path, deadline=60.0, smoke=True)
+    assert report["preflight"]["ok"]
+    assert len(report["correctness"]) == gc.FAIL_FAST == len(calls) - 1
+    assert "shared memory" in report["stopped"] and not report["all_ok"]
+    assert report["decode"]["ok"] and report["views"]["ok"] and report["timing"]
+    assert "matrix stopped" in (tmp_path / "gpu_check.md").read_text()
