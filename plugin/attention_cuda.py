@@ -266,14 +266,30 @@ def piecewise_in_tree_mode(vllm_config) -> None:
             f"treedraft branching trees on CUDA do not support {'; '.join(bad)}; use a chain "
             "('chain:K' or num_speculative_tokens without 'tree'), verified by vLLM")
     cc = vllm_config.compilation_config
+    log = init_logger("vllm.treedraft")
     mode = cc.cudagraph_mode
     if mode is not None and mode.has_full_cudagraphs():
         new = CUDAGraphMode.PIECEWISE if mode.has_piecewise_cudagraphs() or \
             mode == CUDAGraphMode.FULL else CUDAGraphMode.NONE
-        init_logger("vllm.treedraft").warning(
-            "treedraft tree mode: cudagraph_mode %s -> %s (a FULL graph replay would skip the "
-            "tree attention of the tree rows)", mode.name, new.name)
+        log.warning("treedraft tree mode: cudagraph_mode %s -> %s (a FULL graph replay would "
+                    "skip the tree attention of the tree rows)", mode.name, new.name)
         cc.cudagraph_mode = new
+    # vLLM decides the graphs' split points later (CompilationConfig.set_splitting_ops_for_v1):
+    # attention+quant fusion empties them and turns PIECEWISE into FULL, and splitting_ops
+    # without the attention ops capture attention inside the piecewise graphs
+    passes = getattr(cc, "pass_config", None)
+    if getattr(passes, "fuse_attn_quant", False):
+        log.warning("treedraft tree mode: pass_config.fuse_attn_quant -> False (it captures "
+                    "attention in FULL CUDA graphs; tree rows are never quantized anyway)")
+        passes.fuse_attn_quant = False
+    ops = getattr(cc, "splitting_ops", None)
+    if ops and not cc.splitting_ops_contain_attention() and \
+            not getattr(cc, "use_inductor_graph_partition", False):
+        raise NotImplementedError(
+            f"treedraft branching trees on CUDA need attention outside the CUDA graphs: "
+            f"compilation_config.splitting_ops={ops} leaves out the attention ops "
+            f"{list(cc._attention_ops)}; add them, leave splitting_ops unset, or use a chain "
+            "('chain:K' or num_speculative_tokens without 'tree'), verified by vLLM")
 
 
 def _wrap_cudagraph_mode(original):
@@ -305,14 +321,16 @@ def cache_like(kv_cache: torch.Tensor, num_blocks: int) -> torch.Tensor:
 
 def self_test(kv_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_size: int,
               layout: str = "flash", impl: str = "triton", seed: int = 0) -> dict:
-    """One synthetic tree step (two trees and two plain rows, random prefixes and block
-    table, NaN in unused blocks) in `kv_cache`'s layout and dtype through `impl` and the
-    torch twin. Returns the numbers; raises NotImplementedError with them on a mismatch."""
+    """One synthetic tree step (three trees and two plain rows, random prefixes and block
+    table, NaN in unused blocks) in `kv_cache`'s layout and dtype through `impl`, once as
+    `choose_segments` picks and once split in 3 segments over the prefix (split-KV and its
+    reduce: batch 1 on long prompts), against the torch twin. Returns the numbers; raises
+    NotImplementedError with them on a mismatch."""
     dev, dtype, bs = kv_cache.device, kv_cache.dtype, kv_cache.shape[2]
     gen = torch.Generator().manual_seed(seed)
     rnd = random.Random(seed)
-    trees = [[-1] + [rnd.randrange(i) for i in range(1, 11)], [-1, 0, 0, 1, 1]]
-    prefixes = [bs + 3, 2 * bs + 1]
+    trees = [[-1] + [rnd.randrange(i) for i in range(1, 11)], [-1, 0, 0, 1, 1], [-1, 0, 1]]
+    prefixes = [bs + 3, 2 * bs + 1, 200]  # 200: each of 3 segments reads tiles of keys
     nblk = [-(-(p + len(t)) // bs) for p, t in zip(prefixes, trees, strict=True)]
     nb = sum(nblk) + 3  # + unused blocks, NaN-filled
     kv = (cache_like(kv_cache, nb) if layout == "flash"
@@ -341,13 +359,16 @@ def self_test(kv_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_si
     meta = tk.TreeMeta.build(specs, dev)
     table, scale = table.to(dev), head_size ** -0.5
     outs = {}
-    for name in (impl, "torch"):
+    for name, segments in ((impl, None), ("split", 3), ("torch", None)):
         out = torch.full_like(q, 7.0)
-        outs[name] = tk.tree_attention(q, k, v, kc, vc, table, meta, scale, out, impl=name)
-    got, ref = outs[impl].float(), outs["torch"].float()
-    err = ((got - ref).abs() / (1 + ref.abs())).max().item()
+        outs[name] = tk.tree_attention(q, k, v, kc, vc, table, meta, scale, out,
+                                       impl="torch" if name == "torch" else impl,
+                                       num_segments=segments)
+    ref = outs["torch"].float()
+    err = max(((outs[name].float() - ref).abs() / (1 + ref.abs())).max().item()
+              for name in (impl, "split"))
     tol = SELF_TEST_TOL.get(dtype, 3e-2)
-    plain_ok = bool((outs[impl][:2] == 7.0).all())
+    plain_ok = all(bool((outs[name][:2] == 7.0).all()) for name in (impl, "split"))
     result = {"device": str(dev), "dtype": str(dtype).removeprefix("torch."), "layout": layout,
               "heads": [num_heads, num_kv_heads, head_size], "block_size": bs,
               "impl": impl, "max_rel_err": err, "tol": tol, "plain_rows_untouched": plain_ok}

@@ -340,6 +340,8 @@ def tree_unsupported_target(model_config) -> list[str]:
     holds for plain causal softmax attention with RoPE (or no position encoding) and a KV cache."""
     hf = model_config.hf_text_config
     window = model_config.get_sliding_window()
+    chunk = getattr(model_config, "attention_chunk_size", None)
+    rswa = getattr(model_config, "rswa_window", None)
     checks = {
         "MLA attention (its backend is not overridden: siblings would see each other)":
             model_config.use_mla,
@@ -352,6 +354,9 @@ def tree_unsupported_target(model_config) -> list[str]:
         "attention logit soft-capping": bool(getattr(hf, "attn_logit_softcapping", None)),
         "ALiBi position biases": model_config.uses_alibi,
         "attention sinks": getattr(hf, "model_type", None) in SINK_MODEL_TYPES,
+        # vLLM rewrites these layers' block tables and windows in its own metadata builders
+        f"chunked local attention (chunks of {chunk})": bool(chunk),
+        f"R-SWA attention (window {rswa})": rswa is not None,
     }
     return [k for k, v in checks.items() if v]
 

@@ -37,15 +37,23 @@ def attention_caches(runner) -> list[tuple[torch.Tensor, str | None]]:
 
 
 def compact_accepted(runner, step) -> int:
-    """Move each tree request's accepted K/V to sequential slots; returns slots copied."""
+    """Move each tree request's accepted K/V to sequential slots; returns slots copied.
+
+    A node's row wrote its K/V at the slot of its sequential position (root_pos + node: the
+    step's slot mapping is computed before tree positions replace the positions), which the
+    request's row of the block table gives on the host: `slot_mapping`'s host half is not it
+    on CUDA, where vLLM computes the mapping on the GPU only."""
     moves_src, moves_dst = [], []
-    slot_mapping = runner.input_batch.block_table.block_tables[0].slot_mapping.cpu
+    bt = runner.input_batch.block_table.block_tables[0]
+    table, bs = bt.block_table.np, bt.block_size
     for req in step.requests.values():
         nodes = step.accepted.get(req.req_id, [])
+        row = table[req.req_index]
         for j, a in enumerate(nodes, start=1):
             if a != j:
-                moves_src.append(int(slot_mapping[req.qs + a]))
-                moves_dst.append(int(slot_mapping[req.qs + j]))
+                src, dst = req.root_pos + a, req.root_pos + j
+                moves_src.append(int(row[src // bs]) * bs + src % bs)
+                moves_dst.append(int(row[dst // bs]) * bs + dst % bs)
     if moves_src:
         src = torch.tensor(moves_src, dtype=torch.long)
         dst = torch.tensor(moves_dst, dtype=torch.long)

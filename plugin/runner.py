@@ -119,10 +119,29 @@ def _scratch(runner) -> range:
 SCRATCH_ATTR = "_treedraft_scratch"
 
 
+def _attention_layers(runner) -> int:
+    """The target's attention layers (those with a KV cache in vLLM's forward context), each of
+    which must run tree attention on a tree step; counted once per runner."""
+    n = getattr(runner, LAYERS_ATTR, None)
+    if n is None:
+        n = sum(getattr(ctx, "kv_cache", None) is not None
+                for ctx in runner.compilation_config.static_forward_context.values())
+        setattr(runner, LAYERS_ATTR, n)
+    return n
+
+
+LAYERS_ATTR = "_treedraft_attention_layers"
+
+
 def build_step(runner, scheduler_output) -> tree_step.TreeStep:
     from .sampler import request_unsupported
 
     ib = runner.input_batch
+    if len(ib.block_table.block_tables) > 1:  # e.g. a layer kind none of config's refusals knew
+        raise NotImplementedError(
+            f"treedraft branching trees need one KV cache group (one block table for every "
+            f"attention layer); this target has {len(ib.block_table.block_tables)}: serve it "
+            "with a chain ('chain:K'), verified by vLLM")
     step = tree_step.TreeStep(scheduler_output.total_num_scheduled_tokens)
     step.scratch = _scratch(runner)
     qsl = runner.query_start_loc.np
@@ -180,7 +199,7 @@ def _sample_ours(runner, original, logits, spec_decode_metadata):
     from .sampler import verify_trees
 
     step = tree_step.of_runner(runner)
-    tree_step.check_attended(step)
+    tree_step.check_attended(step, _attention_layers(runner))
     out = verify_trees(runner, logits, spec_decode_metadata, step)
     if step is not None:
         t = time.perf_counter()

@@ -399,15 +399,15 @@ def _tree_attn_fwd(
     DOT_F32: tl.constexpr,
 ):
     tile = tl.program_id(0)
-    kvh = tl.program_id(1)
+    kvh = tl.program_id(1).to(tl.int64)  # offsets in int64: a cache's head stride can be large
     seg = tl.program_id(2)
     t = tl.load(TILES + 2 * tile)
     q0 = tl.load(TILES + 2 * tile + 1)
-    qs = tl.load(TREES + 5 * t)
+    qs = tl.load(TREES + 5 * t).to(tl.int64)
     n = tl.load(TREES + 5 * t + 1)
     P = tl.load(TREES + 5 * t + 2)
     req = tl.load(TREES + 5 * t + 3)
-    ao = tl.load(TREES + 5 * t + 4)
+    ao = tl.load(TREES + 5 * t + 4).to(tl.int64)
 
     # rows of the tile: BLOCK_Q nodes x GP heads, node major
     r = tl.arange(0, BLOCK_M)
@@ -495,7 +495,7 @@ def _tree_attn_reduce(
     HEAD_D: tl.constexpr,
 ):
     # out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, M = max_s m_s (log2 domain)
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, SEG_P)
     s_ok = s < num_segments
@@ -509,6 +509,6 @@ def _tree_attn_reduce(
                   mask=s_ok[:, None] & d_ok[None, :], other=0.0)
     o = (tl.reduce(acc * w[:, None], 0, tl.standard._sum_combine)
          / tl.reduce(l_s * w, 0, tl.standard._sum_combine))
-    orow = tl.load(ROWS + row)
+    orow = tl.load(ROWS + row).to(tl.int64)
     tl.store(OUT + orow * so_t + h * so_h + d * so_d, o.to(OUT.dtype.element_ty), mask=d_ok)
 

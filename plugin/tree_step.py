@@ -74,17 +74,19 @@ class TreeStep:
         return self._kernel_meta
 
 
-def check_attended(step: TreeStep | None) -> None:
-    """Raise if the step has branching trees but no attention layer ran tree attention on them
-    (its metadata never reached the backend, e.g. a forward whose token count differs from the
-    step's: `attach`). Verifying such a step would accept drafts computed with causal attention
-    among siblings and sequential positions: never silently."""
-    if step is not None and step.trees and step.tree_layers == 0:
+def check_attended(step: TreeStep | None, layers: int = 1) -> None:
+    """Raise if the step has branching trees but fewer than `layers` attention layers (the
+    target's) ran tree attention on them (its metadata never reached a backend, e.g. a forward
+    whose token count differs from the step's: `attach`; or a layer whose backend is not
+    treedraft's). Verifying such a step would accept drafts computed, in some layer, with
+    causal attention among siblings and sequential positions: never silently."""
+    if step is not None and step.trees and step.tree_layers < max(layers, 1):
         raise RuntimeError(
-            f"treedraft: this step drafted {len(step.trees)} branching tree(s) but no attention "
-            f"layer ran tree attention on its {step.num_tokens} tokens (the attention backend "
-            "did not receive the step); refusing to verify them. Please report this with the "
-            "engine configuration; serve with a chain ('chain:K') meanwhile")
+            f"treedraft: this step drafted {len(step.trees)} branching tree(s) but only "
+            f"{step.tree_layers} of the target's {max(layers, 1)} attention layers ran tree "
+            f"attention on its {step.num_tokens} tokens (the attention backend did not receive "
+            "the step); refusing to verify them. Please report this with the engine "
+            "configuration; serve with a chain ('chain:K') meanwhile")
 
 
 STEP_ATTR = "_treedraft_step"  # runner attribute: the TreeStep being executed, or None

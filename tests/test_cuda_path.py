@@ -26,6 +26,7 @@ import pickle
 import random
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -292,6 +293,40 @@ def test_real_engine_config_goes_through_the_patch(fake_cuda, monkeypatch):
         build({"model": "smollm2-135m-eagle", "tree": "dynamic:8,3,3"}, kv_cache_dtype="fp8")
 
 
+def test_tree_mode_keeps_attention_out_of_cuda_graphs(fake_cuda, monkeypatch):
+    """vLLM picks the graphs' split points after our hook: attention+quant fusion would empty
+    them and turn PIECEWISE into FULL (tree rows skipped on replay), so tree mode turns the
+    fusion off; splitting_ops that leave attention inside the graphs are refused at start-up.
+    Real EngineArgs, platform faked as CUDA."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from treedraft.training.models import resolve_model
+
+    seen = []
+    real = ac.piecewise_in_tree_mode
+
+    def spy(cfg):
+        real(cfg)
+        seen.append(cfg.compilation_config.pass_config.fuse_attn_quant)
+
+    monkeypatch.setattr(ac, "piecewise_in_tree_mode", spy)
+
+    def build(spec, compilation):
+        return EngineArgs(model=str(resolve_model("smollm2-135m")), speculative_config=spec,
+                          dtype="float32", max_model_len=1024,
+                          compilation_config=compilation).create_engine_config()
+
+    tree = {"model": "smollm2-135m-eagle", "tree": "dynamic:8,3,3"}
+    build(tree, {"pass_config": {"fuse_attn_quant": True}})
+    build({"model": "smollm2-135m-eagle", "num_speculative_tokens": 3},
+          {"pass_config": {"fuse_attn_quant": True}})
+    assert seen == [False, True]  # turned off for trees only
+    with pytest.raises(NotImplementedError, match=r"splitting_ops=\['vllm::some_op'\] leaves "
+                                                  r"out the attention ops"):
+        build(tree, {"mode": 3, "splitting_ops": ["vllm::some_op"]})
+    build(tree, {"mode": 3, "splitting_ops": []})  # no graphs split: vLLM turns PIECEWISE off
+
+
 def test_tree_mode_config_untouched_on_cpu():
     from vllm.config import CUDAGraphMode as M
 
@@ -399,21 +434,55 @@ def _ordered_vec_copies(kv_cache: torch.Tensor, src: list[int], dst: list[int]) 
         vc[d // bs, :, d % bs] = vc[s // bs, :, s % bs]
 
 
+def _runner(kv, isa, table, block_size, slot_mapping_cpu):
+    """The parts of a V1 runner compaction reads: group 0's block table (host rows, block
+    size, and the host half of its slot mapping) and one attention layer's cache."""
+    bt = SimpleNamespace(block_table=SimpleNamespace(np=np.asarray(table, dtype=np.int32)),
+                         block_size=block_size,
+                         slot_mapping=SimpleNamespace(cpu=slot_mapping_cpu))
+    return SimpleNamespace(
+        input_batch=SimpleNamespace(block_table=SimpleNamespace(block_tables=[bt])),
+        compilation_config=SimpleNamespace(static_forward_context={
+            "l0": SimpleNamespace(kv_cache=[kv], isa=isa)}))
+
+
 def test_vec_compaction_equals_ordered_slot_copies():
     from treedraft.plugin.kv import compact_accepted
 
     kv = torch.randn(3, 2, 32, 64)  # a shape the CPU kernel has (its layout is probed)
-    runner = SimpleNamespace(
-        input_batch=SimpleNamespace(block_table=SimpleNamespace(block_tables=[
-            SimpleNamespace(slot_mapping=SimpleNamespace(cpu=torch.arange(8) + 29))])),
-        compilation_config=SimpleNamespace(static_forward_context={
-            "l0": SimpleNamespace(kv_cache=[kv], isa="vec")}))
-    step = tree_step.TreeStep(8, {0: tree_step.TreeRequest(0, "r", 1, 0, [0] * 6,
+    # request row 1 holds blocks 2, 0, 1; its root at position 30 (slot 2 * 32 + 30 = 94)
+    runner = _runner(kv, "vec", [[0, 0, 0], [2, 0, 1]], 32, torch.arange(8) + 93)
+    step = tree_step.TreeStep(8, {1: tree_step.TreeRequest(1, "r", 1, 30, [0] * 6,
                                                           [-1, 0, 0, 1, 1, 2], [0] * 6, False)})
-    step.accepted = {"r": [2, 5]}  # rows qs + 2, qs + 5 (slots 32, 35) -> qs + 1, 2 (31, 32)
+    step.accepted = {"r": [2, 5]}  # positions 32, 35 (slots 0, 3) -> 31, 32 (slots 95, 0)
     want = kv.clone()
-    _ordered_vec_copies(want, [32, 35], [31, 32])
+    _ordered_vec_copies(want, [0, 3], [95, 0])
     assert compact_accepted(runner, step) == 2
+    assert torch.equal(kv, want)
+
+
+def test_flash_compaction_reads_the_block_table_not_the_device_slot_mapping():
+    """On CUDA vLLM computes a step's slot mapping on the GPU only (`BlockTable.
+    compute_slot_mapping` writes `slot_mapping.gpu`; the CPU runner aliases the two halves, the
+    GPU runner does not), so its host half stays zeros: compaction must find each node's slot
+    from the request's block table."""
+    from treedraft.plugin.kv import compact_accepted
+
+    nb, hkv, bs, d = 5, 2, 4, 8
+    kv = torch.randn(nb, bs, hkv, 2 * d).transpose(1, 2)  # FLASH_ATTN's LBNHC order
+    # request row 0 holds blocks 3, 1, 4; root at position 5: position p is slot
+    # table[p // 4] * 4 + p % 4
+    runner = _runner(kv, None, [[3, 1, 4]], bs, torch.zeros(16, dtype=torch.long))
+    step = tree_step.TreeStep(7, {0: tree_step.TreeRequest(0, "r", 0, 5, [0] * 7,
+                                                          [-1, 0, 0, 2, 2, 4, 5], [0] * 7,
+                                                          False)})
+    step.accepted = {"r": [2, 4, 6]}  # positions 7, 9, 11 -> 6, 7, 8
+    slot = {p: [3, 1, 4][p // bs] * bs + p % bs for p in range(12)}
+    want = kv.clone()
+    for a, j in ((2, 1), (4, 2), (6, 3)):
+        s_, d_ = slot[5 + a], slot[5 + j]
+        want[d_ // bs, :, d_ % bs] = want[s_ // bs, :, s_ % bs]
+    assert compact_accepted(runner, step) == 3
     assert torch.equal(kv, want)
 
 

@@ -488,7 +488,8 @@ def test_slot_copies_index_the_flattened_cache_and_refuse_a_strided_one():
 def test_a_tree_step_that_never_reached_tree_attention_is_refused():
     """A forward whose token count is not the step's gets no step in its metadata (profiling
     and warm-up runs); if the step's own forward ever did, its trees would have been computed
-    with causal attention: verifying them raises instead of accepting silently."""
+    with causal attention: verifying them raises instead of accepting silently. So does a step
+    that only some of the target's attention layers computed as trees."""
     from treedraft.heads.tree import DraftTree
     from treedraft.plugin import tree_step
 
@@ -498,12 +499,29 @@ def test_a_tree_step_that_never_reached_tree_attention_is_refused():
     meta = SimpleNamespace(num_actual_tokens=4)  # another forward's token count
     tree_step.attach({"layer": meta}, step)
     assert tree_step.of_metadata(meta) is None
-    with pytest.raises(RuntimeError, match="no attention layer ran tree attention"):
+    with pytest.raises(RuntimeError, match="only 0 of the target's 1 attention layers ran"):
         tree_step.check_attended(step)
+    # some layers ran it, not all (a layer whose backend is not treedraft's): refused too
+    step.tree_layers = 29
+    with pytest.raises(RuntimeError, match="only 29 of the target's 30 attention layers ran"):
+        tree_step.check_attended(step, 30)
+    step.tree_layers = 30
+    tree_step.check_attended(step, 30)
     chain = tree_step.TreeStep(3)  # chains need no tree attention
     chain.requests[0] = tree_step.make_request(0, "x", 0, 10, 7, [5, 6], tree)
-    tree_step.check_attended(chain)
-    tree_step.check_attended(None)
+    tree_step.check_attended(chain, 30)
+    tree_step.check_attended(None, 30)
+
+
+def test_a_tree_step_over_several_kv_cache_groups_is_refused():
+    """KV compaction and the kernel's block table are group 0's: a target whose layers use
+    several KV cache groups (block tables) gets no tree step, it raises naming the chain."""
+    from treedraft.plugin.runner import build_step
+
+    runner = SimpleNamespace(input_batch=SimpleNamespace(
+        block_table=SimpleNamespace(block_tables=[object(), object()])))
+    with pytest.raises(NotImplementedError, match="one KV cache group.*has 2.*chain"):
+        build_step(runner, SimpleNamespace(total_num_scheduled_tokens=4))
 
 
 def test_make_request_keeps_scheduled_prefix_and_falls_back_to_chains():
@@ -720,6 +738,8 @@ def test_speculators_head_of_another_target_is_refused(speculators_head, tmp_pat
     ({"alibi": True}, "ALiBi"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 100000.0,
                           "mrope_section": [8, 12, 12]}}, "M-RoPE"),
+    ({"attention_chunk_size": 64}, "chunked local attention"),  # Llama-4's local layers
+    ({"rswa_window": 128}, "R-SWA attention"),
 ])
 def test_targets_trees_cannot_serve_are_refused_at_startup(override, message):
     """The real SmolLM2 config with one attention feature switched on (hf_overrides): a branching
