@@ -111,6 +111,8 @@ class AutoArms:
         self._logged: dict = {}  # per context: (best, arms measured) last logged, and when
 
         self.steps: dict[tuple, int] = defaultdict(int)  # steps per (context, arm)
+        # per arm, over contexts and every step it was played: seconds, tokens per request
+        self.spent: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
 
     def plan(self, batch: int, sampled: int = 0):
         """This step's TreeSpec for `batch` drafting requests (`sampled` of them T > 0), or
@@ -138,9 +140,11 @@ class AutoArms:
         return {a: n for (c, a), n in self.steps.items() if c == ctx}
 
     def tally(self) -> str:
-        """What auto did so far: steps per arm, and per context the arm it found best, e.g.
-        'steps by arm: none 40, chain:3+lookup:4 812; best: batch <= 1 greedy chain:3+lookup:4
-        (31.2 tokens/s per request)'."""
+        """What auto did so far: steps per arm, the time it played each arm and the tokens per
+        request those steps gave per second (every step of the arm, measured or not: where its
+        time went), and per context the arm it found best, e.g. 'steps by arm: none 40,
+        chain:3+lookup:4 812; time by arm: none 1.2 s (33.1 tokens/s per request), ...; best:
+        batch <= 1 greedy chain:3+lookup:4 (31.2 tokens/s per request)'."""
         best = [f"batch <= {c[0]} {'sampled' if c[1] else 'greedy'} {a} "
                 f"({self.bandit.rates(c)[a]:.1f} tokens/s per request)"
                 for c in sorted(self.bandit.stats) if (a := self.bandit.best(c)) is not None]
@@ -148,6 +152,9 @@ class AutoArms:
         for (_, a), n in self.steps.items():
             steps[a] += n
         return ("steps by arm: " + ", ".join(f"{a} {n}" for a, n in steps.items())
+                + "; time by arm: " + ", ".join(
+                    f"{a} {sec:.1f} s ({tok / sec if sec else 0.0:.1f} tokens/s per request)"
+                    for a, (sec, tok) in self.spent.items())
                 + "; best: " + ("; ".join(best) or "-"))
 
     def step_started(self) -> None:
@@ -166,8 +173,11 @@ class AutoArms:
             prefill = any(n - len(spec.get(r, ())) > 1
                           for r, n in scheduler_output.num_scheduled_tokens.items())
             gap = statistics.median(self._gaps) if self._gaps else 0.0
-            self.bandit.observe(tokens, now - self._start + gap, usable=not prefill,
-                                requests=requests)
+            seconds = now - self._start + gap
+            self.bandit.observe(tokens, seconds, usable=not prefill, requests=requests)
+            spent = self.spent[self.bandit.arms[self.bandit.ctx[1]][self.bandit.arm]]
+            spent[0] += seconds
+            spent[1] += tokens / max(requests, 1)
         self._planned = False
         self._start, self._last_end = None, now
 

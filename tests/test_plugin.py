@@ -950,3 +950,7 @@ def test_auto_measures_steps_that_drafted_and_verified_one_arm_without_prefill()
     # the log line of a context counts that context's steps; the tally every context's
     assert auto.steps_in((1, False)) == {"none": 2} and auto.steps_in((2, False)) == {"none": 4}
     assert "steps by arm: none 6;" in auto.tally()
+    # where the time went: every planned step's seconds and tokens per request, by arm
+    sec, tok = auto.spent["none"]
+    assert sec >= 0.01 and tok == 1 + 1 + 0.5 + 1 + 1 + 1  # the 6 planned steps, per request
+    assert f"time by arm: none {sec:.1f} s ({tok / sec:.1f} tokens/s per request)" in auto.tally()
