@@ -11,7 +11,10 @@ Features
   Default (L,) = the final post-norm output, with `fuse` = identity.
 - Optional reduced draft vocabulary: own `lm_head` [Vd, H] plus a saved `d2t` buffer [Vd] holding
   the TARGET id of each draft id (absolute ids, not EAGLE-3's offsets); `logits` scatters into
-  the target vocab with -inf elsewhere.
+  the target vocab with -inf elsewhere. `lm_head_from_target`: the draft vocabulary's LM head
+  is the target's rows at d2t (EAGLE-1's shared LM head over EAGLE-3's reduced vocabulary),
+  gathered at `bind_target`, frozen and never saved: a smaller checkpoint and fewer weights to
+  train (the speculators export writes the rows, as stock vLLM reads an own LM head).
 - `forward` runs [B, T] sequences causally (training, multi-step unrolling) or with a KV cache
   and an explicit bool mask (tree drafting).
 - `draft_session()`: KV-cached Expander for heads/tree.py's `draft_tree` (see EagleSession).
@@ -69,6 +72,8 @@ class EagleConfig(ConfigMixin):
     fuse_norm: bool = False  # RMSNorm per target layer before fuse (speculators `fc_norm`)
     norm_before_fc: bool = False  # one RMSNorm over the n*H concat before fuse
     norm_before_residual: bool = False  # eagle3: the residual starts at the NORMED feature
+    lm_head_from_target: bool = False  # with a draft vocab: lm_head = target rows at d2t,
+    #   bound and frozen, never saved
     own_embedding: bool = False  # own token embedding [V, H] (imported heads that ship one
     #   different from the target's); default: the target's, bound and never saved
     norm_output: bool = False  # eagle3: the output feature is final_norm(stream)
@@ -111,6 +116,9 @@ class EagleConfig(ConfigMixin):
             raise ValueError(
                 f"draft_vocab_size={self.draft_vocab_size} must be in 1..{self.target.vocab_size}"
             )
+        if self.lm_head_from_target and vd is None:
+            raise ValueError("lm_head_from_target needs a draft vocabulary (draft_vocab_size): "
+                             "a full-vocabulary head drafts with the target's LM head already")
 
 
 class RMSNorm(nn.Module):
@@ -372,6 +380,21 @@ class EagleHead(DraftHead):
         if config.draft_vocab_size is not None:
             self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)  # [Vd, H]
             self.register_buffer("d2t", torch.arange(config.draft_vocab_size))  # draft -> target id
+            if config.lm_head_from_target:  # the target's rows (`_tie_lm_head`): not a weight
+                del self.lm_head.weight
+                self.lm_head.register_buffer("weight", torch.zeros(config.draft_vocab_size, h),
+                                             persistent=False)
+
+    def bind_target(self, embed_weight: Tensor | None, lm_head_weight: Tensor | None) -> None:
+        super().bind_target(embed_weight, lm_head_weight)
+        if lm_head_weight is not None and self.config.lm_head_from_target:
+            self._tie_lm_head()
+
+    def _tie_lm_head(self) -> None:
+        """lm_head = the bound target LM head's rows at d2t (lm_head_from_target)."""
+        rows = self._bound("target_lm_head")
+        w = self.lm_head.weight
+        self.lm_head.weight = rows[self.d2t.to(rows.device)].to(device=w.device, dtype=w.dtype)
 
     def set_draft_vocab(self, target_ids: Tensor, init_from_target: bool = True) -> None:
         """Set the target id of each draft id; optionally copy those rows of the target LM head."""
@@ -382,7 +405,10 @@ class EagleHead(DraftHead):
         if ids.shape != (vd,) or ids.unique().numel() != vd or ids.min() < 0 or ids.max() >= v:
             raise ValueError(f"target_ids must be {vd} distinct ids in 0..{v - 1}")
         self.d2t.copy_(ids)
-        if init_from_target:
+        if self.config.lm_head_from_target:
+            if self.target_lm_head is not None:
+                self._tie_lm_head()
+        elif init_from_target:
             with torch.no_grad():
                 self.lm_head.weight.copy_(self._bound("target_lm_head")[ids.to(self.d2t.device)])
 
@@ -434,6 +460,8 @@ class EagleHead(DraftHead):
             feature = self.final_norm(feature)
         if self.config.draft_vocab_size is None:
             return F.linear(feature, self._bound("target_lm_head").to(feature.dtype))
+        if self.config.lm_head_from_target:
+            self._bound("target_lm_head")  # its rows are the LM head: unbound, it is zeros
         return self.lm_head(feature)
 
     def logits(self, feature: Tensor) -> Tensor:

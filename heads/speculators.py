@@ -419,6 +419,9 @@ def save_speculators(head: EagleHead, out: str | os.PathLike, *, verifier: str,
             state["t2d"] = t2d
         else:
             raise ValueError(f"no speculators name for tensor {k!r}")
+    if c.lm_head_from_target:  # stock vLLM reads an own LM head: the target's rows at d2t
+        head._bound("target_lm_head")
+        state["lm_head.weight"] = head.lm_head.weight
     if len(c.target_layer_ids) == 1:
         state["fc.weight"] = torch.eye(c.hidden_size)
     if dtype is not None:

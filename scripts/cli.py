@@ -284,7 +284,8 @@ def _export_args(p: argparse.ArgumentParser) -> None:
 def cmd_export(args: argparse.Namespace) -> None:
     """Write a head in another ecosystem's format (EAGLE-3 speculators or vLLM's Medusa). The
     target's config and tokenizer check the head; its weights are not loaded (a Medusa head
-    sharing the target's LM head reads that one tensor)."""
+    sharing the target's LM head, or an EAGLE head whose LM head is the target's rows, reads
+    that one tensor)."""
     import json
 
     import torch
@@ -312,6 +313,8 @@ def cmd_export(args: argparse.Namespace) -> None:
         method, k = "medusa", k or head.config.num_heads
     else:
         k = 3 if k is None else k
+        if getattr(head.config, "lm_head_from_target", False):
+            head.bind_target(None, read_lm_head(spec))
         out = save_speculators(head, args.out, verifier=spec.path, num_speculative_tokens=k,
                                dtype=dtype)
         method = "eagle3"

@@ -185,6 +185,29 @@ def test_eagle_draft_vocab_mapping():
     torch.testing.assert_close(lg[:, d2t], expect)
 
 
+def test_lm_head_from_target_is_the_targets_rows_bound_frozen_and_never_saved(tmp_path):
+    """`lm_head_from_target`: the draft vocabulary's LM head is the target's rows at d2t, at
+    every bind and every new d2t; it is no parameter (nothing trains it), it is not saved, and
+    a head that was never bound refuses to draft instead of drafting from zeros."""
+    head = make_eagle(target_layer_ids=(1, 2, -2), draft_vocab_size=10, lm_head_from_target=True)
+    d2t = torch.randperm(V, generator=torch.Generator().manual_seed(3))[:10]
+    head.set_draft_vocab(d2t)
+    f = torch.randn(3, H)
+    torch.testing.assert_close(head.logits(f)[:, d2t], f @ head.target_lm_head[d2t].T)
+    assert "lm_head.weight" not in dict(head.named_parameters())
+    assert "lm_head.weight" not in head.state_dict()
+    head.save_pretrained(tmp_path)
+    assert "lm_head.weight" not in load_file(str(tmp_path / "model.safetensors"))
+    loaded = load_head(tmp_path, target=sig())
+    assert torch.equal(loaded.d2t, d2t)
+    with pytest.raises(RuntimeError, match="needs the target's lm_head"):
+        loaded.logits(f)
+    loaded.bind_target(*target_weights())
+    torch.testing.assert_close(loaded.logits(f), head.logits(f), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="lm_head_from_target needs a draft vocabulary"):
+        make_eagle(lm_head_from_target=True)
+
+
 @pytest.mark.parametrize("draft_vocab", [None, 10])
 def test_eagle_expand_topk_equals_topk_of_expand(draft_vocab):
     """The fast path draft_tree takes (top-k over the draft vocab only) changes no draft."""

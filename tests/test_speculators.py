@@ -219,6 +219,20 @@ def test_import_accepts_layers0_names_and_own_embedding(tmp_path):
     torch.testing.assert_close(back.layer.q_proj.weight, head.layer.q_proj.weight)
 
 
+def test_export_writes_the_target_rows_of_a_head_that_reads_them(tmp_path):
+    """A head whose LM head is the target's rows (lm_head_from_target, not saved by treedraft)
+    exports them as its own lm_head, which stock vLLM reads; the import equals the head."""
+    head = eagle3(lm_head_from_target=True)
+    head.set_draft_vocab(torch.randperm(V, generator=torch.Generator().manual_seed(2))[:20])
+    out = save_speculators(head, tmp_path / "spec", verifier="smollm2")
+    w = load_file(str(out / "model.safetensors"))
+    torch.testing.assert_close(w["lm_head.weight"], head.target_lm_head[head.d2t])
+    back = load_head(out, target=sig())
+    back.bind_target(*target_weights())
+    f = torch.randn(2, H)
+    torch.testing.assert_close(back.logits(f), head.logits(f), rtol=0, atol=0)
+
+
 def _export(tmp_path):
     out = save_speculators(eagle3(), tmp_path / "spec", verifier="smollm2")
     return out, json.loads((out / "config.json").read_text()), load_file(

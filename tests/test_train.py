@@ -65,14 +65,19 @@ def losses(out) -> list[float]:
     return [r["loss"] for r in lines if "loss" in r]
 
 
-@pytest.mark.parametrize("head_type", ["eagle", "eagle3", "medusa"])
+@pytest.mark.parametrize("head_type", ["eagle", "eagle3", "eagle3_tied", "medusa"])
 def test_cli_train_writes_loadable_head(tiny, tmp_path, capsys, head_type):
+    eagle3 = ["--head.draft_vocab_size=512", "--head.layout=eagle3", "--head.fuse_norm=true",
+              "--head.target_layer_ids=[0,1]"]
     extra = {"eagle": ["--head.draft_vocab_size=512"],
              # EAGLE-3's layer and per-layer norms before fuse, layers vLLM can export
-             "eagle3": ["--head.draft_vocab_size=512", "--head.layout=eagle3",
-                        "--head.fuse_norm=true", "--head.target_layer_ids=[0,1]"],
+             "eagle3": eagle3,
+             # ... drafting with the target's LM head rows (never trained, never saved)
+             "eagle3_tied": [*eagle3, "--head.lm_head_from_target=true"],
              "medusa": ["--head.num_heads=2"]}[head_type]
-    layout, head_type = head_type, head_type.replace("eagle3", "eagle")
+    tied = head_type.endswith("_tied")
+    layout = head_type.removesuffix("_tied")
+    head_type = layout.replace("eagle3", "eagle")
     main(["train", *args(tiny, tmp_path, head_type=head_type, measure_every=2), *extra])
     final = tmp_path / "final"
     assert str(final) in capsys.readouterr().out
@@ -98,6 +103,14 @@ def test_cli_train_writes_loadable_head(tiny, tmp_path, capsys, head_type):
     assert [c.name for c in ckpts] == ["step-0000004"]
     assert {"trainer_state.pt", "train_config.json", "provenance.json"} <= {
         p.name for p in ckpts[0].iterdir()}
+    if tied:  # the target's rows: never trained, never saved, bound again at load
+        from transformers import AutoModelForCausalLM
+
+        assert "lm_head.weight" not in load_file(final / "model.safetensors")
+        target = AutoModelForCausalLM.from_pretrained(tiny[0])
+        lm = target.get_output_embeddings().weight.detach()
+        head.bind_target(target.get_input_embeddings().weight.detach(), lm)
+        assert torch.equal(head.lm_head.weight, lm[head.d2t])
     if layout == "eagle3":  # trained in EAGLE-3's layout: exports for stock vLLM, loads back
         from treedraft.heads.speculators import save_speculators
 
