@@ -107,7 +107,7 @@ class AutoArms:
         self._start: float | None = None
         self._last_end: float | None = None
         self._gaps: deque[float] = deque(maxlen=32)
-        self._planned = False  # this step ran an arm
+        self._arm: str | None = None  # the arm this step runs (None: it planned none)
         self._logged: dict = {}  # per context: (best, arms measured) last logged, and when
 
         self.steps: dict[tuple, int] = defaultdict(int)  # steps per (context, arm)
@@ -118,7 +118,7 @@ class AutoArms:
         """This step's TreeSpec for `batch` drafting requests (`sampled` of them T > 0), or
         None: draft nothing."""
         arm = self.bandit.plan(batch, sampled)
-        self._planned = True
+        self._arm = arm
         ctx = self.bandit.ctx
         self.steps[ctx, arm] += 1
         rates = self.bandit.rates(ctx)
@@ -166,7 +166,7 @@ class AutoArms:
     def step_done(self, scheduler_output, tokens: int, requests: int) -> None:
         """The step that ends now gave `tokens` (1 + accepted drafts each) to `requests`."""
         now = time.perf_counter()
-        if not self._planned:
+        if self._arm is None:
             self.bandit.idle()
         elif self._start is not None:
             spec = scheduler_output.scheduled_spec_decode_tokens
@@ -175,10 +175,10 @@ class AutoArms:
             gap = statistics.median(self._gaps) if self._gaps else 0.0
             seconds = now - self._start + gap
             self.bandit.observe(tokens, seconds, usable=not prefill, requests=requests)
-            spent = self.spent[self.bandit.arms[self.bandit.ctx[1]][self.bandit.arm]]
+            spent = self.spent[self._arm]
             spent[0] += seconds
             spent[1] += tokens / max(requests, 1)
-        self._planned = False
+        self._arm = None
         self._start, self._last_end = None, now
 
 
