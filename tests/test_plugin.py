@@ -114,6 +114,10 @@ def test_vllm_rejection_sampler_keeps_the_target_distribution_with_our_recovered
                 draft, [1] * B, 1, torch.arange(1, B + 1, dtype=torch.int32), draft_probs,
                 p.log().expand(B, V).contiguous(), torch.zeros(B, 1, dtype=torch.int32), meta)
 
+    # The drafts above are one fixed sample of q, so the output is p-distributed only on average
+    # over draft samples and an unseeded run would fail now and then. Seeded, the test is
+    # deterministic, and a sampler off by a few percent on any token still fails it.
+    torch.manual_seed(1234)
     first = run({})[:, 0].long()
     counts = torch.bincount(first, minlength=V).double()
     assert counts[3] > 0
