@@ -354,7 +354,8 @@ class TreeBatch:
         self.row_valid = torch.zeros(B, m, dtype=torch.bool)
         for b, t in enumerate(trees):
             n = t.root_pos + t.size
-            self.mask[b, 0, : t.size, :n] = t.mask
+            self.mask[b, 0, : t.size, : t.root_pos] = True  # the committed prefix
+            self.mask[b, 0, : t.size, t.root_pos : n] = t.mask  # the tree: ancestors only
             self.mask[b, 0, t.size :, 0] = True  # padding rows: any finite result, dropped
             self.kv_valid[b, 0, :n] = True
             self.q_rows[b] = t.qs + torch.arange(m).clamp(max=t.size - 1)

@@ -27,7 +27,7 @@ class TreeRequest:
     parents: list[int]  # [n+1], parents[0] = -1, topological
     depths: list[int]  # [n+1]
     is_chain: bool
-    mask: torch.Tensor | None = None  # [n+1, root_pos + n+1] bool: prefix + ancestors (trees)
+    mask: torch.Tensor | None = None  # [n+1, n+1] bool: ancestors (trees; the prefix is all seen)
     q: torch.Tensor | None = None  # [n, V] a chain drawn from the head's q: verified against q
 
     @property
@@ -132,10 +132,7 @@ def make_request(req_index: int, req_id: str, qs: int, root_pos: int, root: int,
     buf = tree_buffers(parents)
     depths = buf.depths.tolist()
     is_chain = depths == list(range(n + 1))
-    mask = None
-    if not is_chain:
-        mask = torch.ones(n + 1, root_pos + n + 1, dtype=torch.bool)
-        mask[:, root_pos:] = buf.ancestor_mask
+    mask = None if is_chain else buf.ancestor_mask
     q = q[:n] if ours and is_chain and q is not None and n else None
     return TreeRequest(req_index, req_id, qs, root_pos, [root] + drafts, parents, depths,
                        is_chain, mask, q)
