@@ -58,12 +58,15 @@ def compact_accepted(runner, step) -> int:
         src = torch.tensor(moves_src, dtype=torch.long)
         dst = torch.tensor(moves_dst, dtype=torch.long)
         cpu = None  # CPU layers: (src, dst) as attention_cpu.Slots, their elements shared
+        on = {}  # CUDA layers: (src, dst) on the cache's device, one copy for every layer
         for kv, isa in attention_caches(runner):
             if isa is not None and cpu is None:
                 from .attention_cpu import Slots  # imports vLLM's CPU backend: CPU only
 
                 cpu = Slots(src), Slots(dst)
-            copy_kv_slots(kv, *(cpu if isa is not None else (src, dst)), isa)
+            if isa is None and kv.device not in on:
+                on[kv.device] = src.to(kv.device), dst.to(kv.device)
+            copy_kv_slots(kv, *(cpu if isa is not None else on[kv.device]), isa)
     return len(moves_src)
 
 

@@ -20,6 +20,9 @@ same scratch memory holds 4x as many blocks. Plain and chain steps ran as fast o
 with the `vec` ISA (scripts/BENCHMARKS.md, "The tree step: KV block size and slot copies"; `amx`
 not measured on 32).
 
+The tree kernel (CUDA; `TREEDRAFT_TREE_ATTENTION=kernel` on CPU) reads trees in place and keeps
+no scratch (`scratch_used`).
+
 Touch points (vLLM 0.32), tree mode only: `Scheduler.__init__`; on CPU
 `CpuPlatform.check_and_update_config`.
 """
@@ -49,9 +52,22 @@ def scratch_count(num_blocks: int, block_size: int, max_model_len: int,
     return max(0, min(want, num_blocks // MAX_FRACTION, spare))
 
 
+def scratch_used() -> bool:
+    """Whether this platform's tree attention runs through scratch blocks: vLLM's CPU kernel over
+    causal chains (plugin/attention_cpu.py). The tree kernel (CUDA, or its torch twin on CPU
+    under ``TREEDRAFT_TREE_ATTENTION=kernel``) reads trees in place: no blocks kept from the
+    scheduler there."""
+    from vllm.platforms import current_platform
+
+    from .attention_cuda import kernel_mode_on_cpu
+
+    return current_platform.is_cpu() and not kernel_mode_on_cpu()
+
+
 def scratch_range(vllm_config, num_blocks: int) -> range:
-    """Block ids of the scratch in a worker cache of `num_blocks` blocks (empty unless tree mode)."""
-    if not tree_mode(vllm_config):
+    """Block ids of the scratch in a worker cache of `num_blocks` blocks (empty unless tree mode
+    on a platform that uses scratch)."""
+    if not tree_mode(vllm_config) or not scratch_used():
         return range(0)
     want = vllm_config.additional_config[KEY].get("scratch_blocks")
     n = scratch_count(num_blocks, vllm_config.cache_config.block_size,

@@ -386,6 +386,24 @@ def test_scratch_blocks_fit_the_cache():
         _engine_config({**tree, "scratch_blocks": -1})
 
 
+def test_the_tree_kernel_keeps_no_scratch_blocks(monkeypatch):
+    """Scratch blocks serve vLLM's CPU kernel only: where the tree kernel runs (CUDA, or its
+    torch twin on CPU in kernel mode) the scheduler keeps the whole cache."""
+    from vllm.platforms import current_platform
+
+    from treedraft.plugin.attention_cuda import ATTENTION_ENV
+    from treedraft.plugin.scratch import scratch_range
+
+    cfg = _engine_config({"model": "smollm2-135m-eagle", "tree": "dynamic:10,3,3"})
+    blocks = 8 * 8192 // cfg.cache_config.block_size
+    assert len(scratch_range(cfg, blocks)) > 0
+    monkeypatch.setenv(ATTENTION_ENV, "kernel")
+    assert len(scratch_range(cfg, blocks)) == 0
+    monkeypatch.delenv(ATTENTION_ENV)
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)  # a CUDA engine
+    assert len(scratch_range(cfg, blocks)) == 0
+
+
 def test_cpu_tree_mode_runs_small_kv_blocks():
     """On CPU a tree-mode engine (a branching tree, or auto over the head's trees) gets KV
     blocks of TREE_BLOCK_SIZE tokens where --block-size is not given: each branch copies its
