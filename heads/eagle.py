@@ -357,6 +357,12 @@ class DecoderLayer(nn.Module):
         return x, new_kv
 
 
+def _retie_lm_head(head: EagleHead, incompatible_keys) -> None:
+    """After load_state_dict (a new d2t): a bound lm_head_from_target head takes its rows."""
+    if head.target_lm_head is not None:
+        head._tie_lm_head()
+
+
 @register_head("eagle")
 class EagleHead(DraftHead):
     config_class = EagleConfig
@@ -384,6 +390,7 @@ class EagleHead(DraftHead):
                 del self.lm_head.weight
                 self.lm_head.register_buffer("weight", torch.zeros(config.draft_vocab_size, h),
                                              persistent=False)
+                self.register_load_state_dict_post_hook(_retie_lm_head)  # a loaded d2t
 
     def bind_target(self, embed_weight: Tensor | None, lm_head_weight: Tensor | None) -> None:
         super().bind_target(embed_weight, lm_head_weight)

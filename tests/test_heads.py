@@ -204,6 +204,11 @@ def test_lm_head_from_target_is_the_targets_rows_bound_frozen_and_never_saved(tm
         loaded.logits(f)
     loaded.bind_target(*target_weights())
     torch.testing.assert_close(loaded.logits(f), head.logits(f), rtol=0, atol=0)
+    # a bound head that loads another d2t (a resumed run) drafts from that d2t's rows
+    other = make_eagle(target_layer_ids=(1, 2, -2), draft_vocab_size=10, lm_head_from_target=True)
+    other.set_draft_vocab(torch.arange(10, 20))
+    loaded.load_state_dict(other.state_dict())
+    torch.testing.assert_close(loaded.logits(f), other.logits(f), rtol=0, atol=0)
     with pytest.raises(ValueError, match="lm_head_from_target needs a draft vocabulary"):
         make_eagle(lm_head_from_target=True)
 

@@ -589,6 +589,17 @@ def _engine_config(spec: dict, model: str = "smollm2-135m", hf_overrides: dict |
     return args.create_engine_config()
 
 
+def test_treedraft_engines_never_schedule_asynchronously():
+    """The runner reads each request's committed length on the host (root positions, KV
+    compaction's slots from the block table); under async scheduling vLLM corrects that length
+    on the device only. vLLM 0.32 turns async scheduling off for a custom_class proposer, and
+    refuses it when asked for: a vLLM that stops doing so fails here."""
+    spec = {"model": "smollm2-135m-eagle", "tree": "dynamic:10,3,3"}
+    assert _engine_config(spec).scheduler_config.async_scheduling is False
+    with pytest.raises(ValueError, match="async scheduling is only supported"):
+        _engine_config(spec, async_scheduling=True)
+
+
 def test_treedraft_head_becomes_a_custom_class_proposer():
     from treedraft.heads.shipped import resolve_head
 
