@@ -15,7 +15,7 @@ Modules, one per vLLM subsystem touched (every patch goes through ``patching.app
 - ``tree_step``, ``attention_cpu``, ``kv``: one tree verification step: positions and masks,
   tree attention on the CPU backend, accepted-path KV compaction (worker, tree mode).
 - ``scratch``: the last KV blocks kept from the scheduler as tree-attention scratch (engine core,
-  tree mode); on CPU, tree mode's KV block size (frontend).
+  tree mode on vLLM's CPU kernel); on CPU, tree mode's KV block size (frontend).
 - ``metrics``: accepted-depth and tree-size metrics in /metrics and the log line (frontend).
 - ``profile``: per-phase step times when ``TREEDRAFT_PROFILE`` names a file (worker; any engine).
 """
