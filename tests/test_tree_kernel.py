@@ -368,9 +368,8 @@ def test_twin_matches_cpu_backend_path():
     trees = list(zip(P6(bs), SHAPES, strict=True))
     s = make_step(trees, layout="vec", g=4, hkv=2, d=32, bs=bs, write_tree_slots=True)
     reqs = []
-    for qs, P, par, r in s.trees:
-        mask = torch.ones(len(par), P + len(par), dtype=torch.bool)
-        mask[:, P:] = tree_buffers(par).ancestor_mask
+    for qs, P, par, r in s.trees:  # as tree_step.make_request builds them: ancestors only
+        mask = tree_buffers(par).ancestor_mask
         reqs.append(TreeRequest(r, f"r{r}", qs, P, [0] * len(par), par, [], False, mask))
     batch = TreeBatch(reqs, s.block_table, bs)
     k, v = batch.gather(s.kv, slot_layout(s.kv, "vec"))
