@@ -7,6 +7,7 @@
 - ``tree``: token trees as data (paths -> buffers), static / dynamic (EAGLE-2) drafting.
 - ``sampling``: target logits processing and exact tree verification (greedy and sampled).
 - ``reference``: the reference tree decoder, ground truth for the vLLM plugin.
+- ``prefix``: finished draft sessions' K/V by tokens (serving across the target's prefix cache).
 - ``shipped``: the heads shipped under ``zoo/`` by short name, and treedraft's cache folder.
 - ``machine``: this CPU's ISA flags and the dtype picked from them (serving and training).
 """

@@ -642,6 +642,33 @@ class EagleSession:
         self.last_token, self.root_feature = None, None
         self._reset_tree()
 
+    def cached_prefix(self, n: int | None = None) -> tuple[Tensor, Tensor]:
+        """K, V [Hkv, n, D] (float32 copies) of committed pairs 0..n-1, n <= length (all of
+        them by default): what `seed` takes. Only a session whose cache starts at position 0."""
+        n = self.length if n is None else n
+        if self.start != 0 or not 0 < n <= self.length:
+            raise ValueError(f"cached_prefix({n}): this session holds pairs {self.start}.."
+                             f"{self.length - 1}; it exports pairs 0..n-1 of a session that "
+                             "starts at 0")
+        pool, r = self.cache.pool, self.cache.row
+        return pool.k[r, :, :n].clone(), pool.v[r, :, :n].clone()
+
+    def seed(self, k: Tensor, v: Tensor) -> None:
+        """Start a new session at position n with K, V [Hkv, n, D] of pairs 0..n-1 that a
+        session of this head committed for the same n + 1 tokens (`cached_prefix`): pair p's K/V
+        depend only on tokens 0..p+1 (through the target's features), so the session holds what
+        committing those pairs would have given it. The next commit is pair n. Serving uses it
+        for a request whose first tokens the target took from its prefix cache (it computes no
+        features there for the head to commit)."""
+        if self.length:
+            raise ValueError("seed starts a new session: this one has committed pairs")
+        if k.ndim != 3 or k.shape != v.shape or not k.shape[1]:
+            raise ValueError(f"seed expects K, V [Hkv, n, D] with n >= 1, got "
+                             f"{list(k.shape)} and {list(v.shape)}")
+        p = next(self.head.parameters())
+        self.cache.write(0, k[None].to(p.device), v[None].to(p.device))
+        self.start, self.length = 0, k.shape[1]
+
     @torch.no_grad()
     def expand(self, tree, nodes: list[int]) -> Tensor:
         """Log-probs [len(nodes), V_target] of each node's CHILD token (float32)."""

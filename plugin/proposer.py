@@ -58,6 +58,7 @@ from treedraft.heads.lookup import (
     accepted_by_source,
     draft_hybrids,
 )
+from treedraft.heads.prefix import PrefixStore
 from treedraft.heads.sampling import draft_chains
 from treedraft.heads.tree import MAX_TREE_DEPTH, DraftTree, parse_tree_spec
 
@@ -182,6 +183,17 @@ class AutoArms:
         self._start, self._last_end = None, now
 
 
+def _tokens(state, n: int) -> list[int]:
+    """Up to the first n token ids of a vLLM request state (prompt, then output), ending before
+    a placeholder (-1: async scheduling's tokens not sampled yet); none for a prompt given as
+    embeddings."""
+    prompt = state.prompt_token_ids
+    if prompt is None:
+        return []
+    ids = list(prompt[:n]) + list(state.output_token_ids[: max(n - len(prompt), 0)])
+    return ids[: ids.index(-1)] if -1 in ids else ids
+
+
 def _tp_rank0() -> bool:
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
@@ -205,6 +217,11 @@ class TreeDraftProposer:
         self._where: tuple[int, ...] | None = None  # `features`: where each head layer is
         self.rates = None  # the head's acceptance_rates (static trees), set in load_model
         self.sessions: dict[str, object] = {}
+        # the head's context across the target's prefix cache (heads/prefix.py): finished
+        # sessions' K/V by tokens, and the vLLM request state of each session (its tokens)
+        self.prefixes = PrefixStore()
+        self._requests: dict[str, object] = {}
+        self.seeded = 0  # sessions that started with another session's pairs
         self.pending: dict[str, PendingPairs] = {}  # per request, pairs its session has not read
         self.log = PairLog()  # plain decode steps' pairs, not yet handed to `pending`
         self.trees: dict[str, DraftTree] = {}  # drafted this step, verified next step (tree mode)
@@ -311,7 +328,7 @@ class TreeDraftProposer:
             self._count_sources(accepted)
         for gone in self._known - runner.requests.keys():
             self._known.discard(gone)
-            self.sessions.pop(gone, None)  # finished
+            self._keep_prefix(self.sessions.pop(gone, None), self._requests.pop(gone, None))
             self.lookups.pop(gone, None)
             self.trees.pop(gone, None)
             self.chain_q.pop(gone, None)
@@ -337,6 +354,7 @@ class TreeDraftProposer:
                 if session is None:
                     session = sessions[req_id] = self.head.draft_session()
                     self._known.add(req_id)
+                    self._seed(runner, req_id, int(ib.num_computed_tokens_cpu[i]), session)
             work.append((i, req_id, sampled_token_ids[i], session))
         if self.head is not None and work:
             self._record_pairs(runner, scheduler_output, work, accepted, hidden_states,
@@ -417,6 +435,45 @@ class TreeDraftProposer:
                 "treedraft: chains of sampling requests draw drafts from the head's q and pass "
                 "q to vLLM's rejection sampler as draft probabilities")
         return drafts
+
+    def _seed(self, runner, req_id: str, computed: int, session) -> None:
+        """A new session of a request whose first `computed` tokens the target took from its
+        prefix cache: seeded with pairs 0..computed-1 of a live session of the same tokens, or
+        of a finished one (`prefixes`); else it starts at `computed` with no context."""
+        state = runner.requests.get(req_id)
+        if state is None or not hasattr(session, "seed"):
+            return
+        self._requests[req_id] = state
+        if computed <= 0:
+            return
+        tokens = _tokens(state, computed + 1)
+        if len(tokens) != computed + 1:
+            return
+        kv = None
+        for other, s in self.sessions.items():  # a request beside it with the same prefix
+            mine = self._requests.get(other)
+            if (s is not session and mine is not None and s.start == 0
+                    and s.length >= computed and _tokens(mine, computed + 1) == tokens):
+                kv = s.cached_prefix(computed)
+                break
+        if kv is None:
+            kv = self.prefixes.find(tokens)
+        if kv is not None:
+            session.seed(*kv)
+            self.seeded += 1
+            if self.seeded == 1 and _tp_rank0():
+                logger.info("treedraft: a request that started after a prefix-cache hit (%d "
+                            "tokens) took the head's context there from another request's "
+                            "draft session", computed)
+
+    def _keep_prefix(self, session, state) -> None:
+        """A finished request's committed pairs into `prefixes` (a later request with the same
+        first tokens, e.g. the next turn of a chat, starts with them)."""
+        if session is None or state is None or session.start != 0 or not session.length:
+            return
+        tokens = _tokens(state, session.length + 1)
+        if len(tokens) > 1:
+            self.prefixes.put(tokens, *session.cached_prefix(len(tokens) - 1))
 
     def _count_sources(self, accepted: dict[str, list[int]]) -> None:
         """Accepted nodes of the trees verified this step, by the source that proposed them."""

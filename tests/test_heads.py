@@ -375,6 +375,60 @@ def test_eagle_rewind_rolls_back_and_skips_gaps():
     assert gap.start == gap.length == 20
 
 
+def test_eagle_session_seeded_with_another_sessions_pairs_drafts_as_if_it_had_committed_them():
+    """A prefix-cache hit in serving: the request's first 5 pairs come from a session that
+    committed them for the same tokens (`cached_prefix` -> `seed`), the rest it commits itself.
+    It drafts what a session that committed all 8 pairs drafts; a shorter export, an export
+    of a session that does not start at 0 and a seed into a used session are refused."""
+    head = make_eagle()
+    g = torch.Generator().manual_seed(6)
+    h, tok = torch.randn(8, H, generator=g), torch.randint(0, V, (8,), generator=g)
+    full = head.draft_session()
+    full.commit(h, tok)
+    donor = head.draft_session()
+    donor.commit(h[:6], tok[:6])
+    seeded = head.draft_session()
+    seeded.seed(*donor.cached_prefix(5))
+    assert (seeded.start, seeded.length) == (0, 5)
+    seeded.commit(h[5:], tok[5:])
+    torch.testing.assert_close(seeded.root_feature, full.root_feature, rtol=0, atol=1e-5)
+    tree = Tree(torch.cat([tok[-1:], tok[:3]]), torch.tensor([-1, 0, 0, 1]))
+    torch.testing.assert_close(seeded.expand(tree, [0, 1, 2, 3]), full.expand(tree, [0, 1, 2, 3]),
+                               rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="exports pairs"):
+        donor.cached_prefix(7)
+    gap = head.draft_session()
+    gap.rewind(3)
+    gap.commit(h[3:], tok[3:])
+    with pytest.raises(ValueError, match="exports pairs"):
+        gap.cached_prefix(2)
+    with pytest.raises(ValueError, match="new session"):
+        full.seed(*donor.cached_prefix(5))
+
+
+def test_prefix_store_finds_pairs_by_tokens_and_keeps_the_most_recent():
+    from treedraft.heads.prefix import PrefixStore
+
+    def kv(n, fill):
+        return torch.full((2, n, 4), float(fill)), torch.full((2, n, 4), -float(fill))
+
+    store = PrefixStore(max_tokens=10)
+    store.put([1, 2, 3, 4, 5], *kv(4, 1))  # pairs 0..3 of tokens 1 2 3 4 5
+    assert store.find([1, 2, 3]) is not None and store.find([1, 2, 3])[0].shape == (2, 2, 4)
+    assert store.find([1, 2, 9]) is None  # token 2 differs: pair 1 would not be the same
+    assert store.find([1, 2, 3, 4, 5, 6]) is None  # needs 5 pairs, it holds 4
+    store.put([1, 2, 3, 4, 5, 6, 7], *kv(6, 2))  # extends the first: replaces it
+    assert len(store) == 1 and store.tokens == 6
+    assert float(store.find([1, 2, 3, 4, 5, 6])[0][0, 0, 0]) == 2.0
+    store.put([7, 8, 9, 10, 11], *kv(4, 3))  # 10 pairs held: at the limit
+    store.find([1, 2, 3])  # the first one used last: the second goes out next
+    store.put([20, 21, 22], *kv(2, 4))
+    assert store.find([7, 8, 9]) is None and store.find([1, 2, 3]) is not None
+    assert store.find([20, 21, 22]) is not None and store.tokens <= 10
+    store.put(list(range(30)), *kv(20, 5))  # more than the store holds: not kept
+    assert store.find([0, 1, 2]) is None
+
+
 @pytest.mark.parametrize("layout", ["eagle1", "eagle3"])
 def test_sessions_draft_together_as_one_by_one(layout):
     """Batched drafting (serving: one packed head forward per tree level for all requests)

@@ -51,6 +51,9 @@ one child process: tests/engine_host.py, HOSTS below):
   (`treedraft eval`'s reference decoder) for the same head, prompts and tree (chain:3, the
   hybrid tree, lookup alone): number of steps that drafted and accepted count at every depth
   equal within one step per prompt (vLLM may cut a request's last drafts at max_tokens; the reference does not).
+  Its prompts ran in the greedy job before, so the target takes their first blocks from its
+  prefix cache (in blocks of 32 tokens: tree mode): the tree engine logs that the head took its
+  context there from the greedy job's draft sessions (heads/prefix.py).
 * exports in stock vLLM (treedraft's plugin disabled with VLLM_PLUGINS=none): vLLM's own
   EAGLE-3 on the shipped EAGLE-3-layout head written in the speculators format, and vLLM's own
   Medusa on the shipped Medusa head written in its Medusa format: the parity job's greedy
@@ -603,6 +606,11 @@ def test_acceptance_per_depth_matches_offline_evaluator(runs, name, tree, head_n
     ref_tau = 1 + sum(ref_counts) / steps
     assert abs(report["mean_acceptance_length"] - ref_tau) <= tol * ref["tree_depth"] / steps
     assert report["tokens_generated"] == ref["tokens_generated"]
+    if name == "tree":  # parity's prompts ran in the greedy job before: the target took their
+        # first 32-token blocks from its prefix cache (tree mode's CPU block size; the chain
+        # engine's blocks of 128 are longer than these prompts), the head its context there
+        # (without it these requests draft with no context before the hit)
+        assert "started after a prefix-cache hit" in runs[name][1]
     if name in ("chain", "stock_eagle3", "stock_medusa"):  # the head's drafts were accepted
         assert ref["accepted_by_source"]["head"] > 0
     else:  # the lookup branches were accepted too
