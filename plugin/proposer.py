@@ -183,6 +183,31 @@ class AutoArms:
         self._start, self._last_end = None, now
 
 
+def live_prefix(sessions: dict, requests: dict, tokens: list[int], exclude=None):
+    """K, V of pairs 0..n-1 (n = len(tokens) - 1) from a live session (req_id -> session, its
+    vLLM request state in `requests`) that starts at 0, holds n pairs and whose request's first
+    n + 1 tokens are `tokens`; None if there is none."""
+    n = len(tokens) - 1
+    for req_id, s in sessions.items():
+        state = requests.get(req_id)
+        if (s is not exclude and state is not None and s.start == 0 and s.length >= n
+                and _token(state, n) == tokens[-1] and _token(state, n // 2) == tokens[n // 2]
+                and _tokens(state, n + 1) == tokens):  # cheap checks first
+            return s.cached_prefix(n)
+    return None
+
+
+def _token(state, i: int) -> int | None:
+    """Token i of a vLLM request state (prompt, then output), or None."""
+    prompt = state.prompt_token_ids
+    if prompt is None:
+        return None
+    if i < len(prompt):
+        return prompt[i]
+    out = state.output_token_ids
+    return out[i - len(prompt)] if i - len(prompt) < len(out) else None
+
+
 def _tokens(state, n: int) -> list[int]:
     """Up to the first n token ids of a vLLM request state (prompt, then output), ending before
     a placeholder (-1: async scheduling's tokens not sampled yet); none for a prompt given as
@@ -449,13 +474,7 @@ class TreeDraftProposer:
         tokens = _tokens(state, computed + 1)
         if len(tokens) != computed + 1:
             return
-        kv = None
-        for other, s in self.sessions.items():  # a request beside it with the same prefix
-            mine = self._requests.get(other)
-            if (s is not session and mine is not None and s.start == 0
-                    and s.length >= computed and _tokens(mine, computed + 1) == tokens):
-                kv = s.cached_prefix(computed)
-                break
+        kv = live_prefix(self.sessions, self._requests, tokens, session)
         if kv is None:
             kv = self.prefixes.find(tokens)
         if kv is not None:

@@ -988,3 +988,43 @@ def test_auto_measures_steps_that_drafted_and_verified_one_arm_without_prefill()
     sec, tok = auto.spent["none"]
     assert sec >= 0.01 and tok == 1 + 1 + 0.5 + 1 + 1 + 1  # the 6 planned steps, per request
     assert f"time by arm: none {sec:.1f} s ({tok / sec:.1f} tokens/s per request)" in auto.tally()
+
+
+def test_live_prefix_takes_pairs_from_a_request_beside_it_with_the_same_first_tokens():
+    """A request that starts after a prefix-cache hit of n tokens, while another request with
+    the same first n + 1 tokens (prompt, then output) runs: its session takes that session's
+    pairs 0..n-1. Not from a session holding fewer pairs, one that does not start at 0, one
+    whose request differs at any of the n + 1 tokens, or itself."""
+    from test_heads import H, V, make_eagle
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState
+
+    from treedraft.plugin.proposer import live_prefix
+
+    def state(req_id, prompt, output=()):
+        return CachedRequestState(req_id=req_id, prompt_token_ids=list(prompt), mm_features=[],
+                                  sampling_params=None, generator=None, block_ids=([],),
+                                  num_computed_tokens=0, output_token_ids=list(output))
+
+    head = make_eagle()
+    g = torch.Generator().manual_seed(7)
+    h, tok = torch.randn(9, H, generator=g), torch.randint(0, V, (10,), generator=g)
+    ids = tok.tolist()  # token i; pair p of a session is (features at p, token p + 1)
+    donor, short, gap, new = (head.draft_session() for _ in range(4))
+    donor.commit(h[:9], tok[1:10])
+    short.commit(h[:4], tok[1:5])
+    gap.rewind(2)
+    gap.commit(h[2:9], tok[3:10])
+    sessions = {"donor": donor, "short": short, "gap": gap, "new": new}
+    requests = {"donor": state("donor", ids[:4], ids[4:]),  # prompt 4 tokens + 6 output
+                "short": state("short", ids), "gap": state("gap", ids),
+                "new": state("new", ids[:7] + [(ids[7] + 1) % V])}
+    k, v = live_prefix(sessions, requests, ids[:7], exclude=new)  # 6 pairs, tokens 0..6
+    torch.testing.assert_close(k, donor.cached_prefix(6)[0], rtol=0, atol=0)
+    assert k.shape[1] == 6 and v.shape == k.shape
+    del sessions["donor"]  # short holds 4 pairs, gap starts at 2: neither
+    assert live_prefix(sessions, requests, ids[:7], exclude=new) is None
+    assert live_prefix(sessions, requests, ids[:4], exclude=new) is not None  # short's 3 pairs
+    sessions["donor"] = donor
+    other = ids[:6] + [(ids[6] + 1) % V]  # differs at the last token: pair 5 would differ
+    assert live_prefix({"donor": donor}, requests, other) is None
+    assert live_prefix({"new": new}, requests, ids[:3], exclude=new) is None
