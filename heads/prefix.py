@@ -42,11 +42,11 @@ class PrefixStore:
             return
         ids = list(tokens[: n + 1])
         for key, (old, ok, _) in list(self._entries.items()):
-            m = ok.shape[1]
-            if m >= n and old[: n + 1] == ids:
+            m = ok.shape[1]  # the one-token checks first: entries share system prompts
+            if m >= n and old[n] == ids[n] and old[: n + 1] == ids:
                 self._entries.move_to_end(key)
                 return
-            if m < n and ids[: m + 1] == old:
+            if m < n and ids[m] == old[m] and ids[: m + 1] == old:
                 del self._entries[key]
                 self.tokens -= m
         self._entries[self._next] = (ids, k.cpu(), v.cpu())
@@ -64,7 +64,7 @@ class PrefixStore:
             return None
         ids = list(tokens)
         for key, (old, k, v) in reversed(self._entries.items()):  # most recent first
-            if k.shape[1] >= n and old[: n + 1] == ids:
+            if k.shape[1] >= n and old[n] == ids[n] and old[: n + 1] == ids:
                 self._entries.move_to_end(key)
                 self.hits += 1
                 return k[:, :n], v[:, :n]

@@ -244,7 +244,8 @@ class TreeDraftProposer:
         self.sessions: dict[str, object] = {}
         # the head's context across the target's prefix cache (heads/prefix.py): finished
         # sessions' K/V by tokens, and the vLLM request state of each session (its tokens)
-        self.prefixes = PrefixStore()
+        self.prefixes = (PrefixStore() if getattr(vllm_config.cache_config,
+                                                  "enable_prefix_caching", False) else None)
         self._requests: dict[str, object] = {}
         self.seeded = 0  # sessions that started with another session's pairs
         self.pending: dict[str, PendingPairs] = {}  # per request, pairs its session has not read
@@ -466,7 +467,7 @@ class TreeDraftProposer:
         prefix cache: seeded with pairs 0..computed-1 of a live session of the same tokens, or
         of a finished one (`prefixes`); else it starts at `computed` with no context."""
         state = runner.requests.get(req_id)
-        if state is None or not hasattr(session, "seed"):
+        if self.prefixes is None or state is None or not hasattr(session, "seed"):
             return
         self._requests[req_id] = state
         if computed <= 0:
@@ -488,7 +489,8 @@ class TreeDraftProposer:
     def _keep_prefix(self, session, state) -> None:
         """A finished request's committed pairs into `prefixes` (a later request with the same
         first tokens, e.g. the next turn of a chat, starts with them)."""
-        if session is None or state is None or session.start != 0 or not session.length:
+        if (self.prefixes is None or session is None or state is None or session.start != 0
+                or not session.length):
             return
         tokens = _tokens(state, session.length + 1)
         if len(tokens) > 1:
