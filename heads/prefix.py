@@ -28,7 +28,6 @@ class PrefixStore:
         self._entries: OrderedDict[int, tuple[list[int], Tensor, Tensor]] = OrderedDict()
         self._next = 0
         self.tokens = 0  # pairs held, over every entry
-        self.hits = 0  # `find` calls that returned K/V
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -42,11 +41,11 @@ class PrefixStore:
             return
         ids = list(tokens[: n + 1])
         for key, (old, ok, _) in list(self._entries.items()):
-            m = ok.shape[1]  # the one-token checks first: entries share system prompts
-            if m >= n and old[n] == ids[n] and old[: n + 1] == ids:
+            m = ok.shape[1]
+            if m >= n and _starts_with(old, ids):
                 self._entries.move_to_end(key)
                 return
-            if m < n and ids[m] == old[m] and ids[: m + 1] == old:
+            if m < n and _starts_with(ids, old):
                 del self._entries[key]
                 self.tokens -= m
         self._entries[self._next] = (ids, k.cpu(), v.cpu())
@@ -64,8 +63,14 @@ class PrefixStore:
             return None
         ids = list(tokens)
         for key, (old, k, v) in reversed(self._entries.items()):  # most recent first
-            if k.shape[1] >= n and old[n] == ids[n] and old[: n + 1] == ids:
+            if k.shape[1] >= n and _starts_with(old, ids):
                 self._entries.move_to_end(key)
-                self.hits += 1
                 return k[:, :n], v[:, :n]
         return None
+
+
+def _starts_with(ids: list[int], prefix: list[int]) -> bool:
+    """ids[:len(prefix)] == prefix, its last token compared first (entries share system
+    prompts: most differ after them)."""
+    n = len(prefix)
+    return len(ids) >= n and ids[n - 1] == prefix[-1] and ids[:n] == prefix

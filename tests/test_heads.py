@@ -350,12 +350,18 @@ def test_eagle_tree_expansion_equals_chains(layout, shape):
         sess.expand(Tree(torch.tensor([(int(prefix_tok[0]) + 1) % V]), torch.tensor([-1])), [0])
 
 
-def test_eagle_rewind_rolls_back_and_skips_gaps():
+def _committed(seed: int):
+    """A tiny EAGLE head, 8 random pairs (features, tokens) and a session that committed them."""
     head = make_eagle()
-    g = torch.Generator().manual_seed(5)
+    g = torch.Generator().manual_seed(seed)
     h, tok = torch.randn(8, H, generator=g), torch.randint(0, V, (8,), generator=g)
     full = head.draft_session()
     full.commit(h, tok)
+    return head, h, tok, full
+
+
+def test_eagle_rewind_rolls_back_and_skips_gaps():
+    head, h, tok, full = _committed(5)
     again = head.draft_session()
     again.commit(h, tok)
     again.commit(h[:3], tok[:3])
@@ -380,11 +386,7 @@ def test_eagle_session_seeded_with_another_sessions_pairs_drafts_as_if_it_had_co
     committed them for the same tokens (`cached_prefix` -> `seed`), the rest it commits itself.
     It drafts what a session that committed all 8 pairs drafts; a shorter export, an export
     of a session that does not start at 0 and a seed into a used session are refused."""
-    head = make_eagle()
-    g = torch.Generator().manual_seed(6)
-    h, tok = torch.randn(8, H, generator=g), torch.randint(0, V, (8,), generator=g)
-    full = head.draft_session()
-    full.commit(h, tok)
+    head, h, tok, full = _committed(6)
     donor = head.draft_session()
     donor.commit(h[:6], tok[:6])
     seeded = head.draft_session()
