@@ -18,7 +18,9 @@ Features:
 
 Verification does not care where a node came from: greedy follows the target's argmax, sampled
 verification tries children in draft order as one-hot proposals (heads/sampling.py), exact for
-any tree. Lookup proposals carry log-prob 0 (a deterministic proposal).
+any tree. Lookup proposals carry log-prob 0 (a deterministic proposal). At T > 0 a head chain
+is drawn from the head's q and the lookup nodes grafted after it (`graft_lookup`): each chain
+node is tested against the q it was drawn from, the lookup nodes as one-hot proposals.
 """
 
 from __future__ import annotations
@@ -182,6 +184,23 @@ def merge_trees(head_tree: DraftTree | None, root_token: int, chains: Sequence[S
                        logprobs=t([logprobs[i] for i in order], torch.float32)),
         sources=t([sources[i] for i in order], torch.int8),
     )
+
+
+def graft_lookup(chain: DraftTree, index: LookupIndex | None, n: int,
+                 device: Device = None) -> tuple[HybridTree, list[int]]:
+    """A chain the head drew from its q (heads.sampling.draft_chain(s), T > 0) with up to `n`
+    lookup nodes from `index` merged in (`merge_trees`): the hybrid tree and the ids in it of the
+    chain's nodes, in depth order (the node at depth d was drawn from q[d - 1]). Each stays its
+    parent's first child (head nodes come first among siblings), which `verify_tree`'s q needs;
+    a lookup token equal to a chain node's merges into it."""
+    root, parents = int(chain.tokens[0]), chain.parents.tolist()
+    if parents != list(range(-1, len(parents) - 1)):
+        raise ValueError(f"graft_lookup takes a chain (parents -1, 0, 1, ...), got {parents}")
+    if index is not None and index.tokens and index.tokens[-1] != root:
+        raise ValueError(f"lookup history ends with {index.tokens[-1]}, not the root {root}")
+    hybrid = merge_trees(chain, root, index.propose(n) if index is not None and n else [],
+                         device)
+    return hybrid, [i for i, s in enumerate(hybrid.sources.tolist()) if s & HEAD]
 
 
 def accepted_by_source(sources: torch.Tensor | Sequence[int], accepted: Sequence[int]) -> dict:

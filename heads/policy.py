@@ -51,8 +51,9 @@ def arms_for(head_nodes: int, max_depth: int | None, lookup: int, sampled: bool,
              tree_of: Callable[[int], str] | None = None) -> list[str]:
     """The arms (tree spec strings, `NONE` for no drafts) of a sampling class, by size:
     nothing; chains of 1..4 head nodes (at most `max_depth` and `head_nodes`), for greedy
-    requests each followed by itself with `lookup` nodes grafted (a sampled request's chain is
-    drawn from the head's q, which a graft would turn into a tree); and where the head's spec
+    requests each followed by itself with `lookup` nodes grafted (sampled requests' grafted
+    chains, drawn from q, ran 0.98x a chain of 3 at T=1 on MT-bench: scripts/BENCHMARKS.md,
+    "Lookup nodes after a sampled chain"); and where the head's spec
     branches (`tree_of(n)`: its n-node tree), its trees of 8, 16, 32 and `head_nodes` nodes
     (each with the lookup nodes)."""
     depth = min(4, head_nodes, max_depth or 4)

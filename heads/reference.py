@@ -4,7 +4,7 @@ One loop, batch 1, no tricks (like gpt-fast's ``speculative_decode``):
   1. the head drafts a token tree rooted at the last committed token (``draft_tree``);
   2. the target runs ONCE over the tree's nodes: node i at position ``prefix + depth[i]``,
      seeing the committed prefix and its own tree ancestors only (``ancestor_mask``);
-  3. ``verify_tree`` walks the tree with the exact rule (greedy, or one-hot rejection sampling)
+  3. ``verify_tree`` walks the tree with the exact rule (greedy, or rejection sampling)
      and returns the accepted path plus one token from the target;
   4. the accepted nodes' KV moves into the first slots after the prefix (``Target.keep``), the
      head gets the target's hidden states on the accepted path, and the loop repeats.
@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from .lookup import LookupIndex, accepted_by_source, draft_hybrid
+from .lookup import LookupIndex, accepted_by_source, draft_hybrid, graft_lookup
 from .sampling import SamplingParams, draft_chain, sample, verify_chain, verify_tree
 from .tree import TreeSpec
 
@@ -117,17 +117,19 @@ def speculative_generate(
 ) -> DecodeResult:
     """Tree speculative decoding; same output distribution as ``plain_generate``.
 
-    Chains at T > 0 (any spec whose trees are chains: `TreeSpec.chain_nodes`) draw each draft
-    from the head's distribution q (under the request's temperature/top-k/top-p) and verify with
-    speculative sampling against q, as the vLLM plugin does; trees (and greedy chains) draft
-    the top-ranked tokens and use `verify_tree`. A spec
+    Chains at T > 0 (any spec whose head part is a chain: `TreeSpec.chain_nodes` of its
+    `head_spec`) draw each draft from the head's distribution q (under the request's
+    temperature/top-k/top-p) and verify with speculative sampling against q, as the vLLM plugin
+    does, lookup nodes grafted after the chain as one-hot proposals (`graft_lookup`); trees
+    (and greedy chains) draft the top-ranked tokens and use `verify_tree`. A spec
     with lookup nodes ('+lookup:N', or 'lookup:N' with head=None) grafts prompt-lookup branches
     over prompt + output so far into the tree (heads/lookup.py).
     """
     if spec.has_head == (head is None):
         raise ValueError(f"tree {spec.to_string()!r} " + (
             "needs a draft head" if head is None else "drafts without a head: pass head=None"))
-    sampled_chain = spec.chain_nodes is not None and not params.greedy
+    sampled_chain = (spec.has_head and spec.head_spec.chain_nodes is not None
+                     and not params.greedy)
     logits, hidden = prefill(target, prompt)
     root = sample(logits[-1], params, generator)  # first generated token = root of the first tree
     session = head.draft_session() if head is not None else None
@@ -138,20 +140,24 @@ def speculative_generate(
         index.extend(prompt + [root])
     result = DecodeResult([root])
     while not _done(result.tokens, max_new_tokens, eos):
-        sources = None
+        sources, q_of = None, None
         if sampled_chain:  # drafts drawn from q, speculative sampling with q (as vLLM does)
-            tree, q = draft_chain(root, session, spec.chain_nodes, params, generator)
+            tree, q = draft_chain(root, session, spec.head_spec.chain_nodes, params, generator)
+            if spec.lookup:  # one-hot lookup nodes after the chain's (drawn from q)
+                hybrid, nodes = graft_lookup(tree, index, spec.lookup)
+                tree, sources, q_of = hybrid.tree, hybrid.sources, dict(zip(nodes, q, strict=True))
         else:
             hybrid = draft_hybrid(root, session, spec, index, acceptance_rates)
             tree, sources = hybrid.tree, hybrid.sources
         buf = tree.buffers()
         start = target.length  # the root's position: it is not in the cache yet
         logits, hidden = target.forward(tree.tokens, start + buf.depths, buf.ancestor_mask)
-        if sampled_chain:
+        if sampled_chain and q_of is None:
             n, root = verify_chain(tree.tokens[1:].tolist(), q, logits, params, generator)
             accepted = list(range(1, n + 1))
         else:
-            accepted, root = verify_tree(tree.tokens, tree.parents, logits, params, generator)
+            accepted, root = verify_tree(tree.tokens, tree.parents, logits, params, generator,
+                                         q_of)
         path = torch.tensor([0, *accepted])  # node ids of root + accepted nodes, in order
         target.keep(start, path)  # accepted KV -> contiguous slots after the prefix
         new = tree.tokens[path[1:]].tolist() + [root]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -238,6 +238,7 @@ def _verify_sampled(
     target_logits: Tensor,
     params: SamplingParams,
     generator: torch.Generator | None,
+    q: Mapping[int, Tensor] | None = None,
 ) -> tuple[list[int], int]:
     # Rule at a node with target distribution p and children c_1..c_m (draft order, one-hot
     # proposals): accept c_j with prob p(c_j); on reject set p(c_j) = 0 and renormalise; if no
@@ -249,6 +250,13 @@ def _verify_sampled(
     # at that child, whose target row is the target's conditional given the path so far; else
     # verification stops. By induction on depth, the committed sequence has the target's joint
     # distribution. Duplicate child tokens stay exact: after the first rejection p(c) = 0.
+    # A first child drawn from a distribution q (`q[c_1]`, e.g. the head's, under the request's
+    # sampling parameters) is tested as in speculative sampling: accept with min(1, p/q)(c_1),
+    # else go on with the residual r = max(0, p - q) in place of p. P(emit c_1 as c_1) = min(p,
+    # q)(c_1) summed over the draw, and the rest of the node emits r normalised (the one-hot rule
+    # above, for any children that are functions of c_1: the lookup nodes merged after it), so
+    # P(emit x) = min(p, q)(x) + max(0, p - q)(x) = p(x). A child equal to a rejected c_1 has
+    # r(c_1) = 0 (a rejection needs p(c_1) < q(c_1)), as a duplicate above.
     # Rows are processed only for the nodes the walk visits (accepted path + the last node):
     # row-wise, so identical to processing all N+1 rows at once, and far cheaper for big trees.
     # One uniform per node for that node's own accept test: a fixed number of draws per call.
@@ -259,9 +267,23 @@ def _verify_sampled(
         filtered = filter_logits(target_logits[node], params)  # [V] float32
         probs = filtered.softmax(dim=-1)  # [V], exactly as process_logits
         kids = children[node]
-        p_kid = probs[[tokens[c] for c in kids]].double().tolist() if kids else []
-        remaining = float(probs.double().sum())  # residual mass of p (1 up to rounding)
-        rejected: list[int] = []
+        residual, rejected = probs, []
+        first_q = q.get(kids[0]) if q and kids else None
+        if first_q is not None:  # drawn from q: speculative sampling against q
+            c, x = kids[0], tokens[kids[0]]
+            first_q = first_q.to(probs.device, torch.float32)
+            if first_q[x] > 0 and uniforms[c] < float(probs[x]) / float(first_q[x]):
+                accepted.append(c)
+                node = c
+                continue
+            residual = (probs - first_q).clamp_(min=0)
+            rejected.append(x)
+            kids = kids[1:]
+        if q and any(c in q for c in kids):
+            raise ValueError(f"node {node}: a child drawn from q must be its parent's first "
+                             "child (the others are one-hot proposals)")
+        p_kid = residual[[tokens[c] for c in kids]].double().tolist() if kids else []
+        remaining = float(residual.double().sum())  # residual mass (1 up to rounding, or r's)
         for c, p_c in zip(kids, p_kid, strict=True):
             p_c = 0.0 if tokens[c] in rejected else p_c  # a repeated token was removed
             if remaining > 0 and uniforms[c] < p_c / remaining:  # p'(c) = p(c) / residual mass
@@ -273,7 +295,7 @@ def _verify_sampled(
         else:
             if not rejected:  # a leaf: plain sampling from p
                 return accepted, draw(probs, generator)
-            residual = probs.clone()  # [V]
+            residual = residual.clone()  # [V]
             residual[rejected] = 0.0
             if not residual.sum() > 0:
                 return accepted, _fallback_token(filtered, target_logits[node], rejected)
@@ -286,6 +308,7 @@ def verify_tree(
     target_logits: Tensor,
     params: SamplingParams,
     generator: torch.Generator | None = None,
+    q: Mapping[int, Tensor] | None = None,
 ) -> tuple[list[int], int]:
     """Accepted node ids along one root->node path (root excluded) and the next token to commit.
 
@@ -293,11 +316,14 @@ def verify_tree(
     target's logits for the token after node i. Greedy: follow the child whose token is the
     target's argmax; the bonus is the argmax at the last accepted node. Sampling: see the rule in
     `_verify_sampled`; `generator` (on target_logits' device) makes it reproducible.
+    q: node -> the distribution [V] that node's token was drawn from (the head's q under the
+    request's sampling parameters: `graft_lookup`'s sampled head chain), for nodes that are their
+    parent's first child; every other node is a one-hot proposal. Greedy verification ignores it.
     """
     tokens, children = _children_lists(tree_tokens, parents, target_logits)
     if params.greedy:
         return _verify_greedy(tokens, children, target_logits)
-    return _verify_sampled(tokens, children, target_logits, params, generator)
+    return _verify_sampled(tokens, children, target_logits, params, generator, q)
 
 
 # ----------------------------------------------------------------------------- sampled chains

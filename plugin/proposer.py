@@ -18,11 +18,12 @@ against that request's own in-place head KV cache.
   Chains of requests that sample (T > 0) draw each token from the head's distribution q under
   the request's temperature/top-k/top-p (`heads.sampling.draft_chains`, one head forward per
   level for all of them, over the draft vocabulary): in chain mode q goes to vLLM's rejection
-  sampler as draft probabilities (`last_draft_probs`); in tree mode, where a step's spec drafts
-  chains (`TreeSpec.chain_nodes`: chain:K, dynamic:K,K,1, `"auto"`'s arms for a batch that
-  mostly samples), q stays with the chain (`chain_q`) and plugin/sampler.verify_trees verifies
-  it against q. Greedy requests and branching trees draft the top-ranked tokens (q one-hot,
-  vLLM's default).
+  sampler as draft probabilities (`last_draft_probs`); in tree mode, where the head's part of a
+  step's spec is a chain (`TreeSpec.chain_nodes` of its `head_spec`: chain:K, dynamic:K,K,1,
+  chain:K+lookup:N, `"auto"`'s arms for a batch that mostly samples), q stays with the chain's
+  nodes (`chain_q`), lookup nodes are grafted after them (`heads.lookup.graft_lookup`), and
+  plugin/sampler.verify_trees verifies each chain node against q. Greedy requests and branching
+  head trees draft the top-ranked tokens (q one-hot, vLLM's default).
 
 Trees with lookup nodes ('+lookup:N'; 'lookup:N' alone runs no head) keep one incremental
 `heads.lookup.LookupIndex` per request over its token history (prompt + output, vLLM's
@@ -57,6 +58,7 @@ from treedraft.heads.lookup import (
     LookupIndex,
     accepted_by_source,
     draft_hybrids,
+    graft_lookup,
 )
 from treedraft.heads.prefix import PrefixStore
 from treedraft.heads.sampling import draft_chains
@@ -251,7 +253,8 @@ class TreeDraftProposer:
         self.pending: dict[str, PendingPairs] = {}  # per request, pairs its session has not read
         self.log = PairLog()  # plain decode steps' pairs, not yet handed to `pending`
         self.trees: dict[str, DraftTree] = {}  # drafted this step, verified next step (tree mode)
-        self.chain_q: dict[str, torch.Tensor] = {}  # q [K, V] of the sampled chains in `trees`
+        # per request: (q [K, V], the ids in its `trees` entry of the K chain nodes drawn from q)
+        self.chain_q: dict[str, tuple[torch.Tensor, list[int]]] = {}
         self.lookups: dict[str, LookupIndex] = {}  # per request, its token history indexed
         self._info: dict[str, tuple] = {}  # per request: (its SamplingParams, *_request_info)
         self._known: set[str] = set()  # requests any of the per-request dicts may hold
@@ -426,9 +429,9 @@ class TreeDraftProposer:
                 if req_id not in drafted_now:
                     self.trees.pop(req_id, None)
                     self.sources.pop(req_id, None)
-        # sampled requests draft chains from q where this step's trees are chains (auto's arms
-        # for a sampling batch are such chains, without lookup nodes)
-        chain_depth = min(spec.chain_nodes or 0, budget)
+        # sampled requests draft chains from q where the head's part of this step's trees is a
+        # chain (auto's arms for a sampling batch are such chains), lookup nodes after them
+        chain_depth = min((spec.head_spec.chain_nodes or 0) if spec.has_head else 0, budget)
         jobs = []  # (i, req_id, root, session, lookup index)
         chains = []  # (i, (root, session, params, generator)) of sampled chains
         for i, req_id, sampled, session in eligible:
@@ -445,9 +448,15 @@ class TreeDraftProposer:
             if not self.tree_mode:
                 probs[i] = q  # -> vLLM's rejection sampler
                 continue
-            req_id = ib.req_ids[i]  # -> plugin/sampler.verify_trees, with the chain
-            self.trees[req_id], self.chain_q[req_id] = chain, q
-            self.sources[req_id] = HybridTree.of_head(chain).sources
+            req_id = ib.req_ids[i]  # -> plugin/sampler.verify_trees, with the chain's q
+            if spec.lookup:
+                hybrid, nodes = graft_lookup(chain, self._lookup_index(ib, i, req_id),
+                                             spec.lookup, device=hidden_states.device)
+                drafts[i] = hybrid.tree.tokens[1 : budget + 1].tolist()
+            else:
+                hybrid, nodes = HybridTree.of_head(chain), list(range(1, chain_depth + 1))
+            self.trees[req_id], self.chain_q[req_id] = hybrid.tree, (q, nodes)
+            self.sources[req_id] = hybrid.sources
         hybrids = draft_hybrids([(root, session, index) for _, _, root, session, index in jobs],
                                 spec, self.rates, device=hidden_states.device) if jobs else []
         for (i, req_id, *_), hybrid in zip(jobs, hybrids, strict=True):

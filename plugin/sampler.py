@@ -200,7 +200,8 @@ def verify_trees(runner, logits: torch.Tensor, meta, step) -> object:
 
     Rows of request r in `logits`: its n_r draft rows then its bonus row, i.e. the target's
     logits after each tree node [root, n1..nN] in node order, which is what `verify_tree` takes
-    (a chain drawn from the head's q, `TreeRequest.q`: `verify_chain` against q).
+    (a chain drawn from the head's q, `TreeRequest.q`: `verify_chain` against q; lookup nodes
+    grafted after such a chain: `verify_tree` with the chain nodes' q).
     Requests without (valid) drafts keep vLLM's own sampler (all its sampling parameters apply).
     Output: [B, max_spec_len + 1] int32, accepted path tokens then the next token, -1 padded;
     logprobs (when any request asked) in the same layout, the target's for every output token.
@@ -233,18 +234,21 @@ def verify_trees(runner, logits: torch.Tensor, meta, step) -> object:
         root_row = cu[i] - meta.num_draft_tokens[i] - 1
         tree_logits = logits[root_row : root_row + req.size]  # [n+1, V]
         sp = runner.requests[req.req_id].sampling_params
+        q = None
         if req.q is not None:  # speculative sampling against the q the chain was drawn from
             q = req.q.to(logits.device)
             if q.shape[-1] < tree_logits.shape[-1]:  # vLLM pads the vocabulary: q 0 there
                 q = torch.nn.functional.pad(q, (0, tree_logits.shape[-1] - q.shape[-1]))
+            with_q += 1
+        if q is not None and req.q_nodes == list(range(1, req.size)):  # the whole tree: a chain
             k, nxt = verify_chain(req.tokens[1:], q, tree_logits.float(), heads_params(sp),
                                   sm.generators.get(i))
             accepted = list(range(1, k + 1))
-            with_q += 1
         else:
+            drawn = None if q is None else dict(zip(req.q_nodes, q, strict=True))
             accepted, nxt = verify_tree(torch.tensor(req.tokens), req.parents,
                                         tree_logits.float(), heads_params(sp),
-                                        sm.generators.get(i))
+                                        sm.generators.get(i), drawn)
         path = [req.tokens[a] for a in accepted] + [nxt]
         out[i, : len(path)] = torch.tensor(path, dtype=torch.int32)
         step.accepted[req.req_id] = accepted
@@ -254,7 +258,7 @@ def verify_trees(runner, logits: torch.Tensor, meta, step) -> object:
                                       path, plain.logprobs_tensors.logprobs.shape[1])
     if with_q:
         init_logger("vllm.treedraft").info_once(
-            "treedraft: tree mode verifies chains drawn from the head's q against q")
+            "treedraft: tree mode verifies head chains drawn from the head's q against q")
     lt = plain.logprobs_tensors
     return SamplerOutput(sampled_token_ids=out,
                          logprobs_tensors=None if lt is None else _batch_logprobs(lt, paths, B, S1))

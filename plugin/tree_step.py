@@ -28,7 +28,8 @@ class TreeRequest:
     depths: list[int]  # [n+1]
     is_chain: bool
     mask: torch.Tensor | None = None  # [n+1, n+1] bool: ancestors (trees; the prefix is all seen)
-    q: torch.Tensor | None = None  # [n, V] a chain drawn from the head's q: verified against q
+    q: torch.Tensor | None = None  # [k, V] rows of the head's q that nodes `q_nodes` were drawn
+    q_nodes: list[int] | None = None  # from (a sampled head chain, each its parent's first child)
 
     @property
     def size(self) -> int:
@@ -118,8 +119,9 @@ def make_request(req_index: int, req_id: str, qs: int, root_pos: int, root: int,
     The scheduler may keep only a prefix of the drafts; a prefix of a topologically ordered tree
     is a tree. Placeholders (-1, for resumed requests) and anything else we did not draft are
     verified as a chain, which is exact too; the valid part ends at the first -1.
-    q: the draft distributions [K, V] of `tree` when it is a chain drawn from them (kept, cut
-    to the scheduled prefix, only when the drafts are that chain).
+    q: (the draft distributions [K, V], the ids in `tree` of the K chain nodes drawn from them)
+    when the head's part of `tree` is a chain drawn from q (`heads.lookup.graft_lookup`); kept
+    for the scheduled nodes, only when the drafts are that tree.
     """
     n = next((i for i, t in enumerate(drafts) if t < 0), len(drafts))
     drafts = list(drafts[:n])
@@ -133,6 +135,11 @@ def make_request(req_index: int, req_id: str, qs: int, root_pos: int, root: int,
     depths = buf.depths.tolist()
     is_chain = depths == list(range(n + 1))
     mask = None if is_chain else buf.ancestor_mask
-    q = q[:n] if ours and is_chain and q is not None and n else None
+    q_rows, q_nodes = None, None
+    if ours and q is not None and n:
+        kept = [(j, node) for j, node in enumerate(q[1]) if node <= n]
+        if kept:
+            q_rows = q[0][[j for j, _ in kept]]
+            q_nodes = [node for _, node in kept]
     return TreeRequest(req_index, req_id, qs, root_pos, [root] + drafts, parents, depths,
-                       is_chain, mask, q)
+                       is_chain, mask, q_rows, q_nodes)

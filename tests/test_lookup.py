@@ -21,6 +21,7 @@ from treedraft.heads.lookup import (
     LOOKUP,
     LookupIndex,
     accepted_by_source,
+    graft_lookup,
     merge_trees,
     trie_limit,
 )
@@ -120,6 +121,26 @@ def test_merge_reuses_head_nodes_marks_sources_and_orders_by_depth():
     assert alone.sources.tolist() == [0, LOOKUP, LOOKUP, LOOKUP]
     with pytest.raises(ValueError, match="root"):
         merge_trees(head, 99, [])
+
+
+def test_graft_lookup_keeps_each_chain_node_first_among_its_siblings():
+    """A chain drawn from q (10 -> 11 -> 12) with the history's continuations after "7 10"
+    grafted (11 15 16 7 10, the most recent, then 17): the chain's nodes (tested against q)
+    come first among their siblings, in depth order; the lookup token 11 merges into the
+    chain's node."""
+    index = LookupIndex()
+    index.extend([7, 10, 17, 9, 7, 10, 11, 15, 16, 7, 10])
+    assert index.propose(6) == [[11, 15, 16, 7, 10], [17]]
+    hybrid, nodes = graft_lookup(_tree([10, 11, 12], [-1, 0, 1]), index, 6)
+    t, p = hybrid.tree.tokens.tolist(), hybrid.tree.parents.tolist()
+    assert t == [10, 11, 17, 12, 15, 16, 7, 10] and p == [-1, 0, 0, 1, 1, 4, 5, 6]
+    assert nodes == [1, 3]  # 11 (head and lookup), 12 (head, before the lookup sibling 15)
+    assert hybrid.sources[1] == HEAD | LOOKUP and hybrid.sources[3] == HEAD
+    assert graft_lookup(_tree([10, 11], [-1, 0]), None, 4)[1] == [1]  # no index: the chain
+    with pytest.raises(ValueError, match="root"):
+        graft_lookup(_tree([5, 11], [-1, 0]), index, 4)
+    with pytest.raises(ValueError, match="chain"):
+        graft_lookup(_tree([10, 11, 12], [-1, 0, 0]), index, 4)
 
 
 @pytest.mark.parametrize("spec, nodes", [("dynamic:48,8+lookup:16", 64), ("lookup:16", 16),

@@ -561,19 +561,25 @@ def test_make_request_keeps_scheduled_prefix_and_falls_back_to_chains():
     assert make_request(0, "x", 0, 10, 8, [1, 2], tree).is_chain  # another root
 
 
-def test_make_request_keeps_q_only_for_the_chain_it_was_drawn_for():
+def test_make_request_keeps_q_for_the_scheduled_nodes_drawn_from_it():
     from treedraft.heads.tree import DraftTree
     from treedraft.plugin.tree_step import make_request
 
     chain = DraftTree(torch.tensor([7, 1, 2, 3]), torch.tensor([-1, 0, 1, 2]), torch.zeros(4))
     q = torch.rand(3, 11)
-    r = make_request(0, "x", 0, 10, 7, [1, 2], chain, q)  # scheduler kept a prefix
-    assert r.is_chain and torch.equal(r.q, q[:2])
-    assert make_request(0, "x", 0, 10, 7, [1, 5], chain, q).q is None  # not our chain
+    drawn = (q, [1, 2, 3])
+    r = make_request(0, "x", 0, 10, 7, [1, 2], chain, drawn)  # scheduler kept a prefix
+    assert r.is_chain and torch.equal(r.q, q[:2]) and r.q_nodes == [1, 2]
+    assert make_request(0, "x", 0, 10, 7, [1, 5], chain, drawn).q is None  # not our chain
     assert make_request(0, "x", 0, 10, 7, [1, 2, 3], chain).q is None  # drafted as argmax
-    assert make_request(0, "x", 0, 10, 7, [-1], chain, q).q is None  # placeholders: no drafts
-    tree = DraftTree(torch.tensor([7, 1, 2]), torch.tensor([-1, 0, 0]), torch.zeros(3))
-    assert make_request(0, "x", 0, 10, 7, [1, 2], tree, q[:2]).q is None  # branching: one-hot
+    assert make_request(0, "x", 0, 10, 7, [-1], chain, drawn).q is None  # placeholders
+    # a chain 1 -> 2 drawn from q with a lookup node (4) grafted at the root (graft_lookup)
+    hybrid = DraftTree(torch.tensor([7, 1, 4, 2]), torch.tensor([-1, 0, 0, 1]), torch.zeros(4))
+    r = make_request(0, "x", 0, 10, 7, [1, 4, 2], hybrid, (q[:2], [1, 3]))
+    assert not r.is_chain and torch.equal(r.q, q[:2]) and r.q_nodes == [1, 3]
+    r = make_request(0, "x", 0, 10, 7, [1, 4], hybrid, (q[:2], [1, 3]))  # node 3 not scheduled
+    assert torch.equal(r.q, q[:1]) and r.q_nodes == [1]
+    assert make_request(0, "x", 0, 10, 7, [1, 4], hybrid).q is None  # drafted as argmax
 
 
 # ----------------------------------------------------------------------------- config
@@ -1028,3 +1034,22 @@ def test_live_prefix_takes_pairs_from_a_request_beside_it_with_the_same_first_to
     other = ids[:6] + [(ids[6] + 1) % V]  # differs at the last token: pair 5 would differ
     assert live_prefix({"donor": donor}, requests, other) is None
     assert live_prefix({"new": new}, requests, ids[:3], exclude=new) is None
+
+
+def test_bench_tree_attention_times_each_chain_of_a_tree_through_vllms_kernel(capsys):
+    """scripts/bench_tree_attention.py builds the plugin's chain cover for each tree shape and
+    prints one row per (tree, prefix): a chain is one sequence, a lookup branch from the root
+    one more, and the kernel ran over both."""
+    from treedraft.scripts.bench_tree_attention import main, tree_parents
+
+    assert tree_parents("chain:2+lookup:3", None) == [-1, 0, 1, 0, 3, 4]
+    main(["--trees", "chain:2,chain:2+lookup:3", "--prefix", "40,70", "--layers", "2",
+          "--reps", "2", "--dtype", "float32"])
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| chain")]
+    got = [(r[0].strip(), int(r[1]), int(r[2]), int(r[3])) for r in rows]
+    assert got == [("chain:2", 3, 1, 40), ("chain:2", 3, 1, 70),
+                   ("chain:2+lookup:3", 6, 2, 40), ("chain:2+lookup:3", 6, 2, 70)]
+    assert all(float(r[4]) > 0 and float(r[5]) > 0 for r in rows)  # kernel, one seq
+    with pytest.raises(SystemExit, match="static:N"):
+        tree_parents("dynamic:8,3,2", None)

@@ -61,8 +61,9 @@ one child process: tests/engine_host.py, HOSTS below):
   chain with the treedraft folder of the same head.
 * sampling: 300 samples of the first 3 tokens of a fixed, repetitive prompt at T=0.8/top-p 0.9
   and at T=1/top-k 5; the joint distribution of the 3 tokens with speculation (chain, hybrid
-  tree, and a tree spec whose trees are chains, QCHAIN, at T=1/top-k: tree mode drafts them
-  from q and verifies against q) equals the one without (chi-square homogeneity test, significance 1e-3), and drafts
+  tree, and a tree spec whose head trees are chains with lookup nodes, QCHAIN, at T=1/top-k:
+  tree mode draws the chains from q, grafts the lookup nodes after them and verifies the chain
+  nodes against q) equals the one without (chi-square homogeneity test, significance 1e-3), and drafts
   were accepted during those jobs (so the spec path really ran). The chain samples its drafts
   from the head's q and gives q to vLLM's rejection sampler (the engine log says so); the chain
   is sampled at T=0.8/top-p only (its q path is the same code for top-k).
@@ -89,7 +90,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 EAGLE = "smollm2-135m-eagle"
 HYBRID = "dynamic:10,3,3+lookup:6"
-QCHAIN = "dynamic:3,3,1"  # a tree spec (tree mode) whose trees are chains of 3
+QCHAIN = "dynamic:3,3,1+lookup:4"  # tree mode, the head's trees chains of 3, lookup grafted
 TREE = {"model": EAGLE, "tree": HYBRID}
 EAGLE3 = "smollm2-135m-eagle3"  # shipped EAGLE-3-layout head (exported/imported below)
 LOOKUP = {"method": "treedraft", "tree": "lookup:8"}
@@ -279,8 +280,9 @@ def runs(target, prompts, tokenizer, eagle3_export, medusa_export, tmp_path_fact
         # the hybrid tree drafted by an EAGLE-3 head given in the speculators format (import)
         "tree": (target, {"model": eagle3_export, "tree": HYBRID}, [*jobs, shapes], None,
                  {"TREEDRAFT_CACHE": str(tmp_path_factory.mktemp("cache"))}),
-        # tree mode whose trees are chains (what "auto" drafts for a sampling batch): sampled
-        # requests draw them from the head's q and verify_trees verifies against q
+        # tree mode whose head trees are chains (what "auto" drafts for a sampling batch), with
+        # lookup nodes: sampled requests draw the chains from the head's q, graft lookup nodes
+        # after them, and verify_trees verifies the chains' nodes against q
         "qchain": (target, {"model": EAGLE, "tree": QCHAIN},
                    [j for j in jobs if j["name"] == "topk"], None),
         # the same folder in stock vLLM: its own EAGLE-3, treedraft's plugin not loaded (export)
@@ -638,8 +640,11 @@ def test_sampled_distribution_equals_no_speculation(runs, name, job):
     assert p > 1e-3
     if name == "chain":  # sampled chains drafted from q and handed q to the rejection sampler
         assert "pass q to vLLM's rejection sampler as draft probabilities" in runs[name][1]
-    if name == "qchain":  # tree mode drew chains from q and verified them against q
-        assert "tree mode verifies chains drawn from the head's q against q" in runs[name][1]
+    if name == "qchain":  # tree mode drew chains from q and verified them against q, with
+        # lookup nodes grafted after them (one-hot proposals) accepted too
+        assert "tree mode verifies head chains drawn from the head's q against q" in runs[name][1]
+        by_source = res["spec"]["accepted_by_source"]
+        assert by_source["head"] > 0 and by_source["lookup"] + by_source["both"] > 0, by_source
 
 
 def test_two_engines_in_one_process_stay_exact(target, prompts):

@@ -9,7 +9,8 @@
   significance 1e-3), at T=0.8/top-p 0.9 and at T=1/top-k 3.
 * Hybrid trees (heads/lookup.py): a random EAGLE head's tree + lookup branches, and lookup
   alone (no head), are token-identical to plain greedy decoding on SmolLM2 and accept lookup
-  tokens; sampled, their joint distribution matches plain sampling (tiny Llama, chi-square).
+  tokens; sampled (also a chain drawn from the head's q with lookup nodes after it), their
+  joint distribution matches plain sampling (tiny Llama, chi-square).
 * Per-request seeds make runs reproducible.
 """
 
@@ -162,6 +163,7 @@ def _pair_probs(model, prompt: list[int], params: SamplingParams, vocab: int) ->
      (SamplingParams(temperature=1.0, top_k=3), "[[0],[1],[0,0],[0,1],[1,0]]"),
      (SamplingParams(temperature=0.8, top_p=0.9), "chain:2"),  # drafts sampled from q
      (SamplingParams(temperature=0.8, top_p=0.9), "[[0],[1],[0,0]]+lookup:4"),  # hybrid
+     (SamplingParams(temperature=1.0, top_k=3), "chain:2+lookup:4"),  # chain from q + lookup
      (SamplingParams(temperature=1.0, top_k=3), "lookup:4")],  # lookup alone
 )
 def test_sampling_distribution_matches_plain(params, shape):

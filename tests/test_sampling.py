@@ -331,6 +331,51 @@ def test_verify_chain_with_draft_probs_is_exact_monte_carlo(params):
     assert_counts_match(counts, want, n)
 
 
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.9, top_k=5, top_p=0.95),
+                                    SamplingParams(temperature=1.0)])
+def test_verify_tree_with_children_drawn_from_q_is_exact_monte_carlo(params):
+    """graft_lookup's shape: the root's first child x1 ~ q0 and a lookup child L (merged away
+    when L == x1), x1's first child x2 ~ q1 and a lookup child M. The first two committed tokens
+    have the target's joint distribution, and x1 is accepted with probability sum min(p0, q0):
+    more than the one-hot test of the same draws, sum q0 p0."""
+    V, n, L, M = 6, 6000, 2, 4
+    g = torch.Generator().manual_seed(3)
+    logits0, off_logits = torch.randn(V, generator=g), torch.randn(V, V, generator=g)
+    q = torch.rand(2, V, generator=g) * torch.tensor([1.0, 1, 1, 1, 0, 1])  # q misses M
+    q = q / q.sum(-1, keepdim=True)
+    p0, off = process_logits(logits0, params), process_logits(off_logits, params)
+    want = (p0[:, None] * off).double().tolist()  # [x1][x2]
+    counts, first, first_one_hot = torch.zeros(V, V), 0, 0
+    for _ in range(n):
+        x1, x2 = (int(torch.multinomial(q[i], 1, generator=g)) for i in range(2))
+        tokens, parents = [0, x1], [-1, 0]  # depth-ordered, the chain's node first
+        if L != x1:
+            tokens, parents = tokens + [L], parents + [0]
+        tokens, parents = tokens + [x2], parents + [1]
+        chained = len(tokens) - 1  # x2's node
+        if M != x2:
+            tokens, parents = tokens + [M], parents + [1]
+        rows = torch.stack([logits0] + [  # depth 1: the target after that token
+            off_logits[t] if parents[i] == 0 else torch.randn(V, generator=g)
+            for i, t in enumerate(tokens) if i])
+        accepted, nxt = verify_tree(torch.tensor(tokens), parents, rows, params, g,
+                                    q={1: q[0], chained: q[1]})
+        committed = [tokens[a] for a in accepted] + [nxt]
+        first += bool(accepted) and accepted[0] == 1
+        one_hot, _ = verify_tree(torch.tensor(tokens), parents, rows, params, g)
+        first_one_hot += bool(one_hot) and one_hot[0] == 1
+        if len(committed) == 1:  # the next step starts after the bonus token
+            committed.append(int(torch.multinomial(off[nxt], 1, generator=g)))
+        counts[committed[0], committed[1]] += 1
+    assert_counts_match(counts, want, n)
+    assert abs(first / n - float(torch.minimum(p0, q[0]).sum())) < 0.03
+    assert abs(first_one_hot / n - float((p0 * q[0]).sum())) < 0.03
+    assert first > first_one_hot
+    with pytest.raises(ValueError, match="first child"):  # q for a node after a one-hot sibling
+        verify_tree(torch.tensor([0, 1, 3]), [-1, 0, 0], torch.randn(3, V), params, g,
+                    q={2: q[0]})
+
+
 def test_verify_chain_greedy_and_shapes():
     logits = one_hot_logits([3, 4, 7])  # target argmax after root, after d1, after d2
     one_hot = torch.zeros(2, 10)
