@@ -196,11 +196,16 @@ def graft_lookup(chain: DraftTree, index: LookupIndex | None, n: int,
     root, parents = int(chain.tokens[0]), chain.parents.tolist()
     if parents != list(range(-1, len(parents) - 1)):
         raise ValueError(f"graft_lookup takes a chain (parents -1, 0, 1, ...), got {parents}")
-    if index is not None and index.tokens and index.tokens[-1] != root:
-        raise ValueError(f"lookup history ends with {index.tokens[-1]}, not the root {root}")
+    _check_history(index, root)
     hybrid = merge_trees(chain, root, index.propose(n) if index is not None and n else [],
                          device)
     return hybrid, [i for i, s in enumerate(hybrid.sources.tolist()) if s & HEAD]
+
+
+def _check_history(index: LookupIndex | None, root: int) -> None:
+    """A lookup index proposes what follows its history, which must end with the tree's root."""
+    if index is not None and index.tokens and index.tokens[-1] != root:
+        raise ValueError(f"lookup history ends with {index.tokens[-1]}, not the root {root}")
 
 
 def accepted_by_source(sources: torch.Tensor | Sequence[int], accepted: Sequence[int]) -> dict:
@@ -225,9 +230,9 @@ def draft_hybrids(jobs, spec, acceptance_rates=None, device: Device = None) -> l
     head forward), the lookup chains grafted per request (none for a job whose index is None)."""
     from .tree import draft_trees
 
-    for root, _, index in jobs:
-        if spec.lookup and index is not None and index.tokens and index.tokens[-1] != int(root):
-            raise ValueError(f"lookup history ends with {index.tokens[-1]}, not the root {root}")
+    if spec.lookup:
+        for root, _, index in jobs:
+            _check_history(index, int(root))
     head_trees = (draft_trees([(root, e) for root, e, _ in jobs], spec.head_spec,
                               acceptance_rates, device)
                   if spec.has_head else [None] * len(jobs))

@@ -54,7 +54,6 @@ from vllm.logger import init_logger
 from treedraft.heads.common import commit_sessions
 from treedraft.heads.lookup import (
     SOURCES,
-    HybridTree,
     LookupIndex,
     accepted_by_source,
     draft_hybrids,
@@ -449,12 +448,9 @@ class TreeDraftProposer:
                 probs[i] = q  # -> vLLM's rejection sampler
                 continue
             req_id = ib.req_ids[i]  # -> plugin/sampler.verify_trees, with the chain's q
-            if spec.lookup:
-                hybrid, nodes = graft_lookup(chain, self._lookup_index(ib, i, req_id),
-                                             spec.lookup, device=hidden_states.device)
-                drafts[i] = hybrid.tree.tokens[1 : budget + 1].tolist()
-            else:
-                hybrid, nodes = HybridTree.of_head(chain), list(range(1, chain_depth + 1))
+            index = self._lookup_index(ib, i, req_id) if spec.lookup else None
+            hybrid, nodes = graft_lookup(chain, index, spec.lookup, device=hidden_states.device)
+            drafts[i] = hybrid.tree.tokens[1 : budget + 1].tolist()
             self.trees[req_id], self.chain_q[req_id] = hybrid.tree, (q, nodes)
             self.sources[req_id] = hybrid.sources
         hybrids = draft_hybrids([(root, session, index) for _, _, root, session, index in jobs],

@@ -54,6 +54,7 @@ def step_costs(parents: list[int], prefix: int, layers: int, heads: int, kv_head
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
 
+    from treedraft.heads.tree import tree_buffers
     from treedraft.plugin.attention_cpu import TreeSeqs, slot_layout
     from treedraft.plugin.tree_step import TreeRequest
 
@@ -62,11 +63,9 @@ def step_costs(parents: list[int], prefix: int, layers: int, heads: int, kv_head
     scratch = range(own, own + 2 * n + 2)  # at most two blocks per chain
     caches = [torch.randn(scratch.stop, kv_heads, bs, 2 * head_size).to(dtype)
               for _ in range(layers)]
-    depths = [0] * n
-    for i in range(1, n):
-        depths[i] = depths[parents[i]] + 1
     tree = TreeRequest(req_index=0, req_id="r", qs=0, root_pos=prefix, tokens=[0] * n,
-                       parents=parents, depths=depths, is_chain=False)
+                       parents=parents, depths=tree_buffers(parents).depths.tolist(),
+                       is_chain=False)
 
     def metadata(q_lens: list[int], seq_lens: list[int], tables: torch.Tensor):
         qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
