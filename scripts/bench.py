@@ -14,9 +14,9 @@ Each configuration runs in its own engine process (scripts/engine.py's `Engine`,
 runs one), all of them up at once, over MT-bench first turns for every batch size and
 temperature: by default a queue (below) at least 4 batches deep (with one prompt group, prompts
 are cycled to fill it). Every engine first runs an untimed warm-up of each job's shape at 32
-tokens per request (`warmup_jobs`: the engine's code paths and row counts warm, `auto`'s
-measurements begun, as in a server that has been running; `--no-warmup` times from the first
-request); then the engines take turns on each job, a few requests at a time (`turns`,
+tokens per request (`warmup_jobs`: the engine's code paths and row counts warm, as in a server
+that has been running), `auto`'s engine every job whole (its arms measured in each job's
+contexts; `--no-warmup` times every engine from its first request); then the engines take turns on each job, a few requests at a time (`turns`,
 `run_order`, below). One progress bar shows
 which engine and job run, tokens so far and an estimate of what is left. Writes OUT/bench.json (tokens/s, TPOT, mean
 acceptance length, per-depth acceptance, speedup vs no-spec per row, the machine), OUT/bench.md
@@ -164,13 +164,32 @@ def _jobs(groups: dict[str, list[list[int]]], batch_sizes, temperatures,
     return jobs
 
 
-def warmup_jobs(jobs: list[dict], tokens: int = 32) -> list[dict]:
-    """Untimed jobs an engine runs first: each job's shape (batch size, temperature, queue or
-    waves) at `tokens` tokens per request, so that the timed jobs find the engine's code paths
-    and row counts warm and `auto` with steps measured, as in a server that has been running."""
-    return [{**j, "name": f"warmup-{j['name']}", "prompts": j["prompts"][: 2 * j["batch_size"]],
+def warmup_jobs(jobs: list[dict], tokens: int = 32, learns: bool = False) -> list[dict]:
+    """Untimed jobs an engine runs first: each job (batch size, temperature, queue or waves,
+    every prompt: each engine's prefix cache holds them all) at `tokens` tokens per request, so
+    that the timed jobs find the engine's code paths and row counts warm, as in a server that
+    has been running. An engine that `learns` which
+    drafts pay (`auto`, `learns`) runs every job whole instead (a round's work, ~200 steps a job
+    at batch 1): its policy has measured its arms in each job's contexts by then, as a server's
+    has after its first minute under that load. Timed from its first request, `auto` spends most
+    of a round measuring its arms (pass 1 of `scripts/interleave.py` shows that cost)."""
+    if learns:
+        return [{**j, "name": f"warmup-{j['name']}"} for j in jobs]
+    return [{**j, "name": f"warmup-{j['name']}",
              "params": {**j["params"], "max_tokens": min(tokens, j["params"]["max_tokens"])}}
             for j in jobs]
+
+
+def learns(spec: dict | None) -> bool:
+    """Whether an engine with this speculative config chooses its drafts from what it measures
+    (treedraft's `auto`: `"tree": "auto[:SPEC]"`, or only a head named)."""
+    if not spec or spec.get("method") not in (None, "treedraft"):
+        return False
+    tree = spec.get("tree")
+    if isinstance(tree, str):
+        return tree.strip().startswith("auto")
+    return tree is None and "model" in spec and not {
+        "num_speculative_tokens", "num_speculative_tokens_per_batch_size"} & spec.keys()
 
 
 def target_passes(tokens: int, accepted: int, drafts: int, requests: int) -> int:
@@ -504,8 +523,9 @@ class Progress:
     warm-up and every round of every job), naming the engine and job that run now; tqdm's own
     estimate of the time left."""
 
-    def __init__(self, configs, warm: list[dict], jobs: list[dict], rounds: int) -> None:
-        self.planned = len(configs) * (_planned_tokens(warm) + rounds * _planned_tokens(jobs))
+    def __init__(self, warm: dict[str, list[dict]], jobs: list[dict], rounds: int) -> None:
+        self.planned = sum(_planned_tokens(w) + rounds * _planned_tokens(jobs)
+                           for w in warm.values())
         self.bar = None
 
     def __enter__(self) -> Progress:
@@ -633,7 +653,8 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
     # groups: every prompt once per wave (cycling prompts to fill a wave would weight some twice)
     jobs = _jobs(groups, o["batch_sizes"], o["temperatures"], o["max_new_tokens"],
                  fill=len(groups) == 1, continuous=continuous)
-    warm = warmup_jobs(jobs) if o["warmup"] else []
+    warm = {c: warmup_jobs(jobs, learns=learns(specs[c])) if o["warmup"] else []
+            for c in configs}  # per configuration
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     print(f"[bench] {machine}\n[bench] vLLM dtype {vllm_dtype} (--dtype {dtype}), "
@@ -662,7 +683,7 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
               f"{str(e).strip().splitlines()[-1][:300]}; the other configurations go on",
               flush=True)
 
-    with Progress(configs, warm, jobs, rounds) as progress:
+    with Progress(warm, jobs, rounds) as progress:
         try:
             for i, c in enumerate(configs):  # start every engine and warm it, untimed
                 # the worker zeroes this file when its runner starts, then rewrites it per step
@@ -670,7 +691,7 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
                     else None
                 engines[c] = Engine(target_dir, specs[c], llm=llm, env=env)
                 try:
-                    engines[c].run(warm, progress=progress.events(c))
+                    engines[c].run(warm[c], progress=progress.events(c))
                 except RuntimeError as e:
                     lost(c, e)
             parts: dict[tuple, list[dict]] = {}  # (config, job, round) -> its turns' results

@@ -377,9 +377,10 @@ def test_bench_progress_counts_every_engine_and_round_and_closing_line():
 
     jobs = [{"prompts": [[1]] * 4, "params": {"max_tokens": 64}},
             {"prompts": [[1]] * 8, "params": {"max_tokens": 64}}]
-    warm = [{"prompts": [[1]] * 2, "params": {"max_tokens": 32}}]
-    p = Progress(("no-spec", "chain=2", "tree=x"), warm, jobs, rounds=2)
-    assert p.planned == 3 * (2 * 32 + 2 * 12 * 64)  # three engines: warm-up and two rounds
+    short = [{"prompts": [[1]] * 2, "params": {"max_tokens": 32}}]
+    p = Progress({"no-spec": short, "chain=2": short, "auto": jobs}, jobs, rounds=2)
+    # three engines: each its warm-up (auto's the jobs whole) and two rounds
+    assert p.planned == 2 * (2 * 32 + 2 * 12 * 64) + 3 * 12 * 64
     with p:
         on_event = p.events("chain=2")
         on_event({"ready": 12.0})
@@ -397,11 +398,18 @@ def test_bench_progress_counts_every_engine_and_round_and_closing_line():
 
 
 def test_bench_main_job_warms_engines_queues_and_says_what_holds():
-    """The default job: every engine first runs each job's shape untimed (short), a queue 4
+    """The default job: every engine first runs each job untimed (short; auto's whole), a queue 4
     batches deep, two rounds; the closing lines name the fastest configuration per (T, batch)
     and where auto stands, a difference inside the rounds' ranges called none (against the
     baseline too)."""
-    from treedraft.scripts.bench import PRESETS, _jobs, conclusions, warmup_jobs
+    from treedraft.scripts.bench import (
+        PRESETS,
+        _jobs,
+        conclusions,
+        learns,
+        speculative_config,
+        warmup_jobs,
+    )
 
     q = PRESETS["quick"]
     assert q["continuous"] and q["warmup"] and q["rounds"] >= 2
@@ -409,9 +417,20 @@ def test_bench_main_job_warms_engines_queues_and_says_what_holds():
     assert [len(j["prompts"]) for j in jobs] == [4, 32]
     warm = warmup_jobs(jobs)
     assert [w["name"] for w in warm] == ["warmup-T0.0-bs1", "warmup-T0.0-bs8"]
-    assert [len(w["prompts"]) for w in warm] == [2, 16]
+    assert [w["prompts"] for w in warm] == [j["prompts"] for j in jobs]  # every prompt cached
     assert all(w["params"]["max_tokens"] == 32 and w["continuous"] for w in warm)
     assert jobs[0]["params"]["max_tokens"] == 128  # the timed jobs unchanged
+    # an engine that learns its drafts (auto) warms up on every job whole: its arms measured
+    full = warmup_jobs(jobs, learns=True)
+    assert [(w["name"], w["prompts"], w["params"]) for w in full] == [
+        (f"warmup-{j['name']}", j["prompts"], j["params"]) for j in jobs]
+    learning = {c: learns(speculative_config(c, "HEAD")) for c in (
+        "no-spec", "ngram=3", "chain=3", "tree=chain:2+lookup:4", "tree=lookup:8", "auto",
+        "auto=dynamic:16,4,4", 'spec={"tree": "auto:chain:3"}', 'spec={"tree": "chain:3"}',
+        'spec={"num_speculative_tokens_per_batch_size": [[1, 2, 3]]}',
+        'spec={"method": "eagle3"}')}
+    assert [c for c, yes in learning.items() if yes] == [
+        "auto", "auto=dynamic:16,4,4", 'spec={"tree": "auto:chain:3"}']
 
     def row(config, bs, s, lo, hi):
         return {"config": config, "temperature": 0.0, "batch_size": bs, "speedup": s,
