@@ -153,6 +153,16 @@ AUTO = "auto"  # "tree": "auto" or "auto:SPEC": each step's spec chosen (heads/p
 AUTO_LOOKUP = 4
 
 
+def asks_auto(tree, sc: dict) -> bool:
+    """Whether the `tree` key's value (None if absent) and the rest of a --speculative-config
+    `sc` ask for "auto": "auto" / "auto:SPEC", or only the head named (no tree, no
+    num_speculative_tokens, no num_speculative_tokens_per_batch_size)."""
+    if isinstance(tree, str):
+        return tree.strip().startswith(AUTO)
+    return (tree is None and sc.get("num_speculative_tokens") is None
+            and not sc.get("num_speculative_tokens_per_batch_size"))
+
+
 def resolve_tree(sc: dict, head_config: dict) -> tuple[Any, bool]:
     """(TreeSpec, auto) asked for by the popped `tree` key / num_speculative_tokens / head
     default. "auto" drafts at most the head's default tree + lookup:AUTO_LOOKUP (or
@@ -166,14 +176,12 @@ def resolve_tree(sc: dict, head_config: dict) -> tuple[Any, bool]:
     k = sc.get("num_speculative_tokens")
     if isinstance(tree, list):  # JSON paths given inline
         tree = json.dumps(tree)
-    auto = isinstance(tree, str) and tree.strip().startswith(AUTO)
-    if auto:
+    auto = asks_auto(tree, sc)  # only the head named: its default tree, each step's budget chosen
+    if auto and tree is not None:
         rest = tree.strip()[len(AUTO):].strip()
         if rest and not rest.startswith(":"):
             raise ValueError(f"--speculative-config: tree {tree!r}: write 'auto' or 'auto:SPEC'")
         tree = rest[1:].strip() or None
-    if tree is None and k is None and not sc.get("num_speculative_tokens_per_batch_size"):
-        auto = True  # only the head named: its default tree, each step's budget chosen
     if tree is None:
         tree = f"chain:{k}" if k is not None else head_config.get("default_tree", "chain:5")
         if auto and k is None and "lookup" not in tree:

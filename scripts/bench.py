@@ -16,8 +16,8 @@ temperature: by default a queue (below) at least 4 batches deep (with one prompt
 are cycled to fill it). Every engine first runs an untimed warm-up of each job's shape at 32
 tokens per request (`warmup_jobs`: the engine's code paths and row counts warm, as in a server
 that has been running), `auto`'s engine every job whole (its arms measured in each job's
-contexts; `--no-warmup` times every engine from its first request); then the engines take turns on each job, a few requests at a time (`turns`,
-`run_order`, below). One progress bar shows
+contexts; `--no-warmup` times every engine from its first request); then the engines take turns
+on each job, a few requests at a time (`turns`, `run_order`, below). One progress bar shows
 which engine and job run, tokens so far and an estimate of what is left. Writes OUT/bench.json (tokens/s, TPOT, mean
 acceptance length, per-depth acceptance, speedup vs no-spec per row, the machine), OUT/bench.md
 (the table and `speedup_chart`, the speedups as text bars) and two PNG plots (speedup vs batch
@@ -168,9 +168,8 @@ def warmup_jobs(jobs: list[dict], tokens: int = 32, learns: bool = False) -> lis
     """Untimed jobs an engine runs first: each job (batch size, temperature, queue or waves,
     every prompt: each engine's prefix cache holds them all) at `tokens` tokens per request, so
     that the timed jobs find the engine's code paths and row counts warm, as in a server that
-    has been running. An engine that `learns` which
-    drafts pay (`auto`, `learns`) runs every job whole instead (a round's work, ~200 steps a job
-    at batch 1): its policy has measured its arms in each job's contexts by then, as a server's
+    has been running. An engine that `learns` which drafts pay (`auto`) runs every job whole
+    instead (a round's work, ~200 steps a job at batch 1): its policy has measured its arms in each job's contexts by then, as a server's
     has after its first minute under that load. Timed from its first request, `auto` spends most
     of a round measuring its arms (pass 1 of `scripts/interleave.py` shows that cost)."""
     if learns:
@@ -181,15 +180,12 @@ def warmup_jobs(jobs: list[dict], tokens: int = 32, learns: bool = False) -> lis
 
 
 def learns(spec: dict | None) -> bool:
-    """Whether an engine with this speculative config chooses its drafts from what it measures
-    (treedraft's `auto`: `"tree": "auto[:SPEC]"`, or only a head named)."""
-    if not spec or spec.get("method") not in (None, "treedraft"):
-        return False
-    tree = spec.get("tree")
-    if isinstance(tree, str):
-        return tree.strip().startswith("auto")
-    return tree is None and "model" in spec and not {
-        "num_speculative_tokens", "num_speculative_tokens_per_batch_size"} & spec.keys()
+    """Whether an engine with this speculative config chooses its drafts from what it measures:
+    a treedraft head under "auto" (plugin.config.asks_auto, the rule the plugin applies)."""
+    from treedraft.plugin.config import asks_auto
+
+    return (bool(spec) and spec.get("method") in (None, "treedraft") and "model" in spec
+            and asks_auto(spec.get("tree"), spec))
 
 
 def target_passes(tokens: int, accepted: int, drafts: int, requests: int) -> int:
