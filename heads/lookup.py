@@ -19,8 +19,9 @@ Features:
 Verification does not care where a node came from: greedy follows the target's argmax, sampled
 verification tries children in draft order as one-hot proposals (heads/sampling.py), exact for
 any tree. Lookup proposals carry log-prob 0 (a deterministic proposal). At T > 0 a head chain
-is drawn from the head's q and the lookup nodes grafted after it (`graft_lookup`): each chain
-node is tested against the q it was drawn from, the lookup nodes as one-hot proposals.
+or fixed-shape tree is drawn from the head's q and the lookup nodes grafted after it
+(`graft_lookup`): each head node is tested against the q it was drawn from, the lookup nodes as
+one-hot proposals.
 """
 
 from __future__ import annotations
@@ -186,19 +187,26 @@ def merge_trees(head_tree: DraftTree | None, root_token: int, chains: Sequence[S
     )
 
 
-def graft_lookup(chain: DraftTree, index: LookupIndex | None, n: int,
+def graft_lookup(tree: DraftTree, index: LookupIndex | None, n: int,
                  device: Device = None) -> tuple[HybridTree, list[int]]:
-    """A chain the head drew from its q (heads.sampling.draft_chain(s), T > 0) with up to `n`
-    lookup nodes from `index` merged in (`merge_trees`): the hybrid tree and the ids in it of the
-    chain's nodes, in depth order (the node at depth d was drawn from q[d - 1]). Each stays its
-    parent's first child (head nodes come first among siblings), which `verify_tree`'s q needs;
-    a lookup token equal to a chain node's merges into it."""
-    root, parents = int(chain.tokens[0]), chain.parents.tolist()
-    if parents != list(range(-1, len(parents) - 1)):
-        raise ValueError(f"graft_lookup takes a chain (parents -1, 0, 1, ...), got {parents}")
+    """A depth-ordered tree the head drew from its q (heads.sampling.draft_chains, T > 0: a
+    chain; `draft_sampled_trees`: a fixed shape) with up to `n` lookup nodes from `index` merged
+    in (`merge_trees`): the hybrid tree and the ids in it of the head's nodes 1..N, in their
+    order (node i of `tree` is node ids[i - 1] of the hybrid). Head nodes stay first among their
+    siblings, in their order, which `verify_tree`'s q needs; a lookup token equal to a head
+    node's merges into it."""
+    root, parents = int(tree.tokens[0]), tree.parents.tolist()
+    depth = [0] * len(parents)
+    for i in range(1, len(parents)):
+        depth[i] = depth[parents[i]] + 1
+    if parents[:1] != [-1] or any(not 0 <= parents[i] < i for i in range(1, len(parents))) \
+            or depth != sorted(depth):
+        raise ValueError(f"graft_lookup takes a depth-ordered tree (parents -1, then earlier "
+                         f"nodes, depths non-decreasing), got parents {parents}")
     _check_history(index, root)
-    hybrid = merge_trees(chain, root, index.propose(n) if index is not None and n else [],
+    hybrid = merge_trees(tree, root, index.propose(n) if index is not None and n else [],
                          device)
+    # merge_trees orders by (depth, id), stable: a depth-ordered head tree keeps its order
     return hybrid, [i for i, s in enumerate(hybrid.sources.tolist()) if s & HEAD]
 
 

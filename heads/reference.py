@@ -23,8 +23,15 @@ import torch
 from torch import Tensor
 
 from .lookup import LookupIndex, accepted_by_source, draft_hybrid, graft_lookup
-from .sampling import SamplingParams, draft_chain, sample, verify_chain, verify_tree
-from .tree import TreeSpec
+from .sampling import (
+    SamplingParams,
+    draft_chain,
+    draft_sampled_trees,
+    sample,
+    verify_chain,
+    verify_tree,
+)
+from .tree import TreeSpec, fixed_parents
 
 GREEDY = SamplingParams()
 
@@ -120,8 +127,10 @@ def speculative_generate(
     Chains at T > 0 (any spec whose head part is a chain: `TreeSpec.chain_nodes` of its
     `head_spec`) draw each draft from the head's distribution q (under the request's
     temperature/top-k/top-p) and verify with speculative sampling against q, as the vLLM plugin
-    does, lookup nodes grafted after the chain as one-hot proposals (`graft_lookup`); trees
-    (and greedy chains) draft the top-ranked tokens and use `verify_tree`. A spec
+    does, lookup nodes grafted after the chain as one-hot proposals (`graft_lookup`); fixed-shape
+    trees at T > 0 (static, paths) draw each node's children without replacement from its q
+    (`draft_sampled_trees`) and `verify_tree` tests them against it; EAGLE-2 (dynamic) trees
+    (and greedy chains and trees) draft the top-ranked tokens, one-hot proposals. A spec
     with lookup nodes ('+lookup:N', or 'lookup:N' with head=None) grafts prompt-lookup branches
     over prompt + output so far into the tree (heads/lookup.py).
     """
@@ -130,6 +139,8 @@ def speculative_generate(
             "needs a draft head" if head is None else "drafts without a head: pass head=None"))
     sampled_chain = (spec.has_head and spec.head_spec.chain_nodes is not None
                      and not params.greedy)
+    shape = (fixed_parents(spec.head_spec, acceptance_rates) if spec.has_head and not
+             params.greedy and not sampled_chain and spec.head_spec.is_fixed else None)
     logits, hidden = prefill(target, prompt)
     root = sample(logits[-1], params, generator)  # first generated token = root of the first tree
     session = head.draft_session() if head is not None else None
@@ -146,6 +157,12 @@ def speculative_generate(
             if spec.lookup:  # one-hot lookup nodes after the chain's (drawn from q)
                 hybrid, nodes = graft_lookup(tree, index, spec.lookup)
                 tree, sources, q_of = hybrid.tree, hybrid.sources, dict(zip(nodes, q, strict=True))
+        elif shape is not None:  # a fixed shape, each node's children drawn from its q
+            tree, q, drawn, rows = draft_sampled_trees([(root, session, params, generator)],
+                                                       shape)[0]
+            hybrid, ids = graft_lookup(tree, index if spec.lookup else None, spec.lookup)
+            tree, sources = hybrid.tree, hybrid.sources
+            q_of = {ids[node - 1]: q[row] for node, row in zip(drawn, rows, strict=True)}
         else:
             hybrid = draft_hybrid(root, session, spec, index, acceptance_rates)
             tree, sources = hybrid.tree, hybrid.sources

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from .common import batched
-from .tree import Device, DraftTree, validate_parents
+from .tree import Device, DraftTree, fixed_steps, validate_parents
 
 SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below it mean greedy
 
@@ -250,13 +250,18 @@ def _verify_sampled(
     # at that child, whose target row is the target's conditional given the path so far; else
     # verification stops. By induction on depth, the committed sequence has the target's joint
     # distribution. Duplicate child tokens stay exact: after the first rejection p(c) = 0.
-    # A first child drawn from a distribution q (`q[c_1]`, e.g. the head's, under the request's
-    # sampling parameters) is tested as in speculative sampling: accept with min(1, p/q)(c_1),
-    # else go on with the residual r = max(0, p - q) in place of p. P(emit c_1 as c_1) = min(p,
-    # q)(c_1) summed over the draw, and the rest of the node emits r normalised (the one-hot rule
-    # above, for any children that are functions of c_1: the lookup nodes merged after it), so
-    # P(emit x) = min(p, q)(x) + max(0, p - q)(x) = p(x). A child equal to a rejected c_1 has
-    # r(c_1) = 0 (a rejection needs p(c_1) < q(c_1)), as a duplicate above.
+    # Children drawn from distributions (`q[c]`, e.g. the head's under the request's sampling
+    # parameters) come first among their siblings, c_1..c_k, each drawn from its q with the
+    # tokens of the earlier drawn siblings removed and renormalised (q_i; sampling without
+    # replacement when they share one q: `draft_sampled_trees`). They are tested as in
+    # speculative sampling, recursively: with p_1 = p, accept c_i with min(1, p_i/q_i)(x_i),
+    # else go on with p_{i+1} = norm(max(0, p_i - q_i)). P(emit x at step i) = min(p_i, q_i)(x)
+    # + (1 - sum min(p_i, q_i)) p_{i+1}(x) = p_i(x) whatever the later steps draw, as long as
+    # they emit p_{i+1} (induction; p_{i+1} depends on the earlier draws only through q_i, and
+    # the one-hot rule above, for any children that follow, emits it). A rejected x_i has
+    # p_i(x_i) < q_i(x_i), so p_{i+1}(x_i) = 0: later siblings (drawn ones exclude it, one-hot
+    # ones are duplicates) see it removed. Exact for any number of drawn children fixed
+    # before they are drawn (fixed tree shapes; not a shape pruned by its own draws).
     # Rows are processed only for the nodes the walk visits (accepted path + the last node):
     # row-wise, so identical to processing all N+1 rows at once, and far cheaper for big trees.
     # One uniform per node for that node's own accept test: a fixed number of draws per call.
@@ -268,20 +273,34 @@ def _verify_sampled(
         probs = filtered.softmax(dim=-1)  # [V], exactly as process_logits
         kids = children[node]
         residual, rejected = probs, []
-        first_q = q.get(kids[0]) if q and kids else None
-        if first_q is not None:  # drawn from q: speculative sampling against q
-            c, x = kids[0], tokens[kids[0]]
-            first_q = first_q.to(probs.device, torch.float32)
-            if first_q[x] > 0 and uniforms[c] < float(probs[x]) / float(first_q[x]):
-                accepted.append(c)
-                node = c
-                continue
-            residual = (probs - first_q).clamp_(min=0)
+        drawn = [c for c in kids if q and c in q]
+        if kids[:len(drawn)] != drawn:
+            raise ValueError(f"node {node}: children drawn from q must come first among their "
+                             "siblings (the others are one-hot proposals)")
+        hit = None
+        for c in drawn:
+            x = tokens[c]
+            qi = q[c].to(probs.device, torch.float32)
+            if rejected:  # without the earlier drawn siblings' tokens, renormalised
+                qi = qi.clone()
+                qi[rejected] = 0.0
+                mass = float(qi.sum())
+                qi = qi / mass if mass > 0 else qi
+                pn = residual / float(residual.sum())
+            else:
+                pn = residual  # p itself: normalised
+            if qi[x] > 0 and uniforms[c] < float(pn[x]) / float(qi[x]):
+                hit = c
+                break
+            residual = (pn - qi).clamp_(min=0)
             rejected.append(x)
-            kids = kids[1:]
-        if q and any(c in q for c in kids):
-            raise ValueError(f"node {node}: a child drawn from q must be its parent's first "
-                             "child (the others are one-hot proposals)")
+            if not residual.sum() > 0:  # p_i <= q_i everywhere yet x rejected: rounding only
+                return accepted, _fallback_token(filtered, target_logits[node], rejected)
+        if hit is not None:
+            accepted.append(hit)
+            node = hit
+            continue
+        kids = kids[len(drawn):]
         p_kid = residual[[tokens[c] for c in kids]].double().tolist() if kids else []
         remaining = float(residual.double().sum())  # residual mass (1 up to rounding, or r's)
         for c, p_c in zip(kids, p_kid, strict=True):
@@ -317,8 +336,10 @@ def verify_tree(
     target's argmax; the bonus is the argmax at the last accepted node. Sampling: see the rule in
     `_verify_sampled`; `generator` (on target_logits' device) makes it reproducible.
     q: node -> the distribution [V] that node's token was drawn from (the head's q under the
-    request's sampling parameters: `graft_lookup`'s sampled head chain), for nodes that are their
-    parent's first child; every other node is a one-hot proposal. Greedy verification ignores it.
+    request's sampling parameters: a sampled head chain, `draft_chains`, or tree,
+    `draft_sampled_trees`, lookup nodes grafted after them), without the tokens of its earlier
+    drawn siblings; drawn nodes come first among their siblings, every other node is a one-hot
+    proposal. Greedy verification ignores it.
     """
     tokens, children = _children_lists(tree_tokens, parents, target_logits)
     if params.greedy:
@@ -398,22 +419,121 @@ def _draw_level(rows: Tensor, draws: Sequence[tuple[SamplingParams, torch.Genera
     ~0.04 ms more a sampled request and level: at batch 4, T=1, `chain=1` on a 2-core CPU the
     drafting phase takes 4.07 ms a step, 4.24 ms with per-row calls (`treedraft bench
     --profile`)."""
-    groups: dict[SamplingParams, list[int]] = {}
-    for i, (params, _) in enumerate(draws):
-        groups.setdefault(params, []).append(i)
-    if len(groups) == 1:  # (the usual step: every request with the same parameters)
-        q = process_logits(rows, *groups)
-    else:
-        q = torch.empty(rows.shape, dtype=torch.float32, device=rows.device)
-        for params, idx in groups.items():
-            at = torch.tensor(idx, device=rows.device)
-            q[at] = process_logits(rows[at], params)
+    q = _level_q(rows, [params for params, _ in draws])
     j = q.argmax(dim=-1)  # greedy rows' draft (process_logits' one-hot of the first argmax)
     sampled = [i for i, (params, _) in enumerate(draws) if not params.greedy]
     if sampled:
         at = torch.tensor(sampled, device=rows.device)
         j[at] = draw_each(q[at], [draws[i][1] for i in sampled])
     return q, j
+
+
+def _level_q(rows: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+    """q [N, V] float32: `process_logits` of each row of the head's logits `rows` [N, V] under
+    its request's params, once per distinct params (row-wise: what each row gets alone)."""
+    groups: dict[SamplingParams, list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault(p, []).append(i)
+    if len(groups) == 1:  # (the usual step: every request with the same parameters)
+        return process_logits(rows, *groups)
+    q = torch.empty(rows.shape, dtype=torch.float32, device=rows.device)
+    for p, idx in groups.items():
+        at = torch.tensor(idx, device=rows.device)
+        q[at] = process_logits(rows[at], p)
+    return q
+
+
+def draw_without_replacement(q: Tensor, k: int, generator: torch.Generator | None = None
+                             ) -> Tensor:
+    """min(k, #positive entries) distinct indices of q [V] (>= 0) in the order sequential
+    sampling without replacement draws them (the first ~ q, each next ~ q without the earlier
+    ones, renormalised): the top of log q + Gumbel noise (Gumbel-top-k, that same law), one
+    float64 uniform per entry from `generator`."""
+    if q.dim() != 1:
+        raise ValueError(f"draw_without_replacement takes one distribution [V], got "
+                         f"{tuple(q.shape)}")
+    n = min(k, int((q > 0).sum()))
+    u = torch.rand(q.shape, generator=generator, dtype=torch.float64, device=q.device)
+    return (q.double().log() - (-u.log()).log()).topk(n).indices
+
+
+def draft_sampled_trees(jobs: Sequence[tuple[int, object, SamplingParams, torch.Generator | None]],
+                        parents: Sequence[int], device: Device = None
+                        ) -> list[tuple[DraftTree, Tensor, list[int], list[int]]]:
+    """A fixed tree shape (`parents`: heads.tree's static and paths trees, depth-ordered,
+    siblings in rank order) drafted for requests that sample, jobs (root_token, expander, params,
+    generator) as in `draft_chains`: the children of every expanded node drawn WITHOUT
+    replacement from its q (the head's distribution under the request's params), in sibling
+    order. Where q has fewer tokens than the node has children (top-k, top-p), the rest are the
+    head's next most likely tokens, one-hot proposals. Level by level, a level of all requests in
+    one packed head forward where the expanders offer `draft_logits_many`.
+
+    Per job: (the tree, q [P, V] float32 over the target's vocabulary, one row per expanded
+    node, the ids of the drawn nodes, the q row of each): `verify_tree`'s q is
+    {node: q[row]}. Exact because the shape is fixed: how many children a node has never
+    depends on what they drew (an EAGLE-2 tree, pruned by its own draws' probabilities, would
+    not be)."""
+    if not jobs:
+        return []
+    if any(params.greedy for _, _, params, _ in jobs):
+        raise ValueError("draft_sampled_trees drafts requests that sample (T > 0); greedy ones "
+                         "draft the top-ranked tokens (heads.tree.draft_trees)")
+    parents = validate_parents(parents)
+    children: list[list[int]] = [[] for _ in parents]
+    for i in range(1, len(parents)):
+        children[parents[i]].append(i)
+    expanders = [e for _, e, *_ in jobs]
+    many = batched(expanders, "draft_logits_many")
+    steps = [fixed_steps(int(root), parents, device) for root, *_ in jobs]
+    asks: list[tuple | None] = [None] * len(jobs)
+    out: list[DraftTree | None] = [None] * len(jobs)
+
+    def advance(i: int, answer) -> None:
+        try:
+            asks[i] = steps[i].send(answer)
+        except StopIteration as stop:
+            out[i], asks[i] = stop.value, None
+
+    for i in range(len(jobs)):
+        advance(i, None)
+    qs: list[list[Tensor]] = [[] for _ in jobs]
+    nodes: list[list[int]] = [[] for _ in jobs]
+    rows_of: list[list[int]] = [[] for _ in jobs]
+    ids, vocab = None, None
+    while live := [i for i in range(len(jobs)) if asks[i] is not None]:
+        items = [(expanders[i], *asks[i][:2]) for i in live]
+        if many is not None:
+            logits, ids, vocab = many(items)
+        else:
+            logits = torch.cat([e.expand(t, level) for e, t, level in items])
+        q = _level_q(logits, [jobs[i][2] for i in live for _ in asks[i][1]])
+        lo = 0
+        for i in live:
+            level, generator = asks[i][1], jobs[i][3]
+            values, tokens = [], []
+            for r, node in enumerate(level, start=lo):
+                k = len(children[node])
+                pick = draw_without_replacement(q[r], k, generator)
+                drawn = len(pick)
+                if drawn < k:  # q's support is used up: the head's next tokens, one-hot
+                    rest = logits[r].float().masked_fill(q[r] > 0, float("-inf"))
+                    pick = torch.cat([pick, rest.topk(k - drawn).indices])
+                lp = torch.log_softmax(logits[r].float(), -1)[pick]  # fillers: the head's own
+                lp[:drawn] = q[r][pick[:drawn]].log()
+                values.append(lp.tolist())
+                tokens.append((pick if ids is None else ids[pick.to(ids.device)]).tolist())
+                nodes[i] += children[node][:drawn]
+                rows_of[i] += [len(qs[i])] * drawn
+                qs[i].append(q[r])
+            lo += len(level)
+            advance(i, (values, tokens))
+    result = []
+    for tree, rows, drawn, row_of in zip(out, qs, nodes, rows_of, strict=True):
+        q = torch.stack(rows) if rows else torch.zeros(0, vocab or 0)
+        if ids is not None:  # draft vocabulary -> the target's
+            q = q.new_zeros(q.shape[0], vocab).index_copy_(1, ids.to(q.device), q)
+        result.append((tree, q, drawn, row_of))
+    return result
 
 
 def verify_chain(draft_tokens: Sequence[int], draft_probs: Tensor, target_logits: Tensor,

@@ -361,6 +361,13 @@ class TreeSpec:
         return None
 
     @property
+    def is_fixed(self) -> bool:
+        """A head shape fixed before drafting (paths, static): at T > 0 its nodes are drawn from
+        the head's q (heads.sampling.draft_sampled_trees). EAGLE-2 (dynamic) trees choose their
+        shape from what they drafted, and draft the top-ranked tokens (one-hot proposals)."""
+        return self.kind in ("paths", "static")
+
+    @property
     def is_chain(self) -> bool:
         """True for chain:K (one child per node), which plain chain verification handles.
         Lookup branches make any spec a tree (they may branch off the head's chain)."""
@@ -582,15 +589,19 @@ def _expand_topk(
     return values.tolist(), tokens.tolist()
 
 
-def _fixed_parents(spec: TreeSpec, rates: Sequence[Sequence[float]] | None) -> tuple[int, ...]:
+def fixed_parents(spec: TreeSpec, rates: Sequence[Sequence[float]] | None) -> tuple[int, ...]:
+    """The shape of a paths or static spec (static: from `rates`, default
+    DEFAULT_ACCEPTANCE_RATES): parents, depth-ordered, siblings in rank order."""
     if spec.kind == "paths":
         return _cached_parents(spec.paths)
     table = _check_rates(DEFAULT_ACCEPTANCE_RATES if rates is None else rates)
     return _static_parents(table, spec.num_nodes)
 
 
-def _fixed_steps(root_token: int, parents: Sequence[int], device: Device):
-    """Fill a fixed shape level by level: rank-r child = parent's (r+1)-th most likely token.
+def fixed_steps(root_token: int, parents: Sequence[int], device: Device):
+    """Fill a fixed shape level by level: the rank-r child of a node gets entry r of the node's
+    answer (top-k: the parent's (r+1)-th most likely token; heads.sampling.draft_sampled_trees:
+    its r-th draw without replacement).
 
     A generator (see `draft_trees`): yields (tree so far, nodes to expand, k), receives their
     top-k (log-probs, tokens) lists, returns the DraftTree."""
@@ -614,7 +625,7 @@ def _fixed_steps(root_token: int, parents: Sequence[int], device: Device):
 def _dynamic_steps(root_token: int, spec: TreeSpec, device: Device):
     """EAGLE-2: expand the top-k nodes of each level by cumulative log-prob, keep the best NODES.
 
-    A generator, as `_fixed_steps`."""
+    A generator, as `fixed_steps`."""
     k, budget = spec.topk, spec.num_nodes
     tokens, parents, logprobs, scores = [root_token], [-1], [0.0], [0.0]  # pool, creation order
     frontier = [0]
@@ -692,7 +703,7 @@ def draft_trees(
     for root, _ in jobs:
         root = int(root)
         steps.append(_dynamic_steps(root, spec, device) if spec.kind == "dynamic" else
-                     _fixed_steps(root, _fixed_parents(spec, acceptance_rates), device))
+                     fixed_steps(root, fixed_parents(spec, acceptance_rates), device))
     out: list[DraftTree | None] = [None] * len(jobs)
     asks: list[tuple | None] = [None] * len(jobs)
 

@@ -22,16 +22,20 @@ against that request's own in-place head KV cache.
   step's spec is a chain (`TreeSpec.chain_nodes` of its `head_spec`: chain:K, dynamic:K,K,1,
   chain:K+lookup:N, `"auto"`'s arms for a batch that mostly samples), q stays with the chain's
   nodes (`chain_q`), lookup nodes are grafted after them (`heads.lookup.graft_lookup`), and
-  plugin/sampler.verify_trees verifies each chain node against q. Greedy requests and branching
-  head trees draft the top-ranked tokens (q one-hot, vLLM's default).
+  plugin/sampler.verify_trees verifies each chain node against q. Head trees of a fixed shape
+  (static:N, paths; `"auto"`'s tree arms for a sampling batch) draw each node's children
+  without replacement from its q (`heads.sampling.draft_sampled_trees`), verified against it
+  the same way. Greedy requests and EAGLE-2 (dynamic) trees, whose shape depends on what they
+  drafted, draft the top-ranked tokens (q one-hot, vLLM's default).
 
 Trees with lookup nodes ('+lookup:N'; 'lookup:N' alone runs no head) keep one incremental
 `heads.lookup.LookupIndex` per request over its token history (prompt + output, vLLM's
 `token_ids_cpu`), and graft its proposals into the head's tree (`heads.lookup.draft_hybrid`).
 
 `"tree": "auto"` (`AutoArms`, the policy in heads/policy.py) picks each step's spec among a few
-fixed ones (nothing, chains of 1-4 head nodes, the head's trees up to the spec's size) from the
-tokens per second each realized in this engine; the step then drafts exactly as an engine
+fixed ones (nothing, chains of 1-4 head nodes, the head's trees up to the spec's size: static
+ones, drawn from q, for a batch that mostly samples) from the tokens per second each realized in
+this engine; the step then drafts exactly as an engine
 configured with that spec would.
 
 vLLM's `num_speculative_tokens_per_batch_size` schedule (scheduler_output.
@@ -60,8 +64,8 @@ from treedraft.heads.lookup import (
     graft_lookup,
 )
 from treedraft.heads.prefix import PrefixStore
-from treedraft.heads.sampling import draft_chains
-from treedraft.heads.tree import MAX_TREE_DEPTH, DraftTree, parse_tree_spec
+from treedraft.heads.sampling import draft_chains, draft_sampled_trees
+from treedraft.heads.tree import MAX_TREE_DEPTH, DraftTree, fixed_parents, parse_tree_spec
 
 from .config import KEY
 from .pairs import PairLog, PendingPairs
@@ -101,8 +105,12 @@ class AutoArms:
                 return f"dynamic:{n},{min(h.depth, n)},{min(h.topk, n)}"
             return f"static:{n}"
 
+        def sampled_tree_of(n: int) -> str:  # a fixed shape: drawn from q at T > 0
+            return f"static:{n}"
+
         arms = {s: arms_for(spec.head_nodes, max_depth, spec.lookup, s,
-                            None if h.is_chain else tree_of) for s in (False, True)}
+                            None if h.is_chain else sampled_tree_of if s else tree_of)
+                for s in (False, True)}
         self.bandit = ArmBandit(arms)
         self.specs = {a: None if a == NONE else parse_tree_spec(a)
                       for names in arms.values() for a in names}
@@ -252,8 +260,9 @@ class TreeDraftProposer:
         self.pending: dict[str, PendingPairs] = {}  # per request, pairs its session has not read
         self.log = PairLog()  # plain decode steps' pairs, not yet handed to `pending`
         self.trees: dict[str, DraftTree] = {}  # drafted this step, verified next step (tree mode)
-        # per request: (q [K, V], the ids in its `trees` entry of the K chain nodes drawn from q)
-        self.chain_q: dict[str, tuple[torch.Tensor, list[int]]] = {}
+        # per request: (q rows [P, V], the ids in its `trees` entry of the nodes drawn from them,
+        # the row of each): a sampled head chain or fixed-shape tree (tree_step.make_request)
+        self.chain_q: dict[str, tuple[torch.Tensor, list[int], list[int]]] = {}
         self.lookups: dict[str, LookupIndex] = {}  # per request, its token history indexed
         self._info: dict[str, tuple] = {}  # per request: (its SamplingParams, *_request_info)
         self._known: set[str] = set()  # requests any of the per-request dicts may hold
@@ -428,30 +437,41 @@ class TreeDraftProposer:
                 if req_id not in drafted_now:
                     self.trees.pop(req_id, None)
                     self.sources.pop(req_id, None)
-        # sampled requests draft chains from q where the head's part of this step's trees is a
-        # chain (auto's arms for a sampling batch are such chains), lookup nodes after them
+        # sampled requests draw from q where the head's part of this step's trees is a chain
+        # (auto's chain arms) or another fixed shape (static, paths: each node's children drawn
+        # without replacement), lookup nodes grafted after them
         chain_depth = min((spec.head_spec.chain_nodes or 0) if spec.has_head else 0, budget)
+        shape = (fixed_parents(spec.head_spec, self.rates) if self.tree_mode and spec.has_head
+                 and not chain_depth and spec.head_spec.is_fixed else None)
         jobs = []  # (i, req_id, root, session, lookup index)
-        chains = []  # (i, (root, session, params, generator)) of sampled chains
+        drawing = []  # (i, (root, session, params, generator)) of sampled chains or trees
         for i, req_id, sampled, session in eligible:
-            params = self._sampled_params(runner, req_id) if chain_depth else None
+            params = (self._sampled_params(runner, req_id)
+                      if chain_depth or shape is not None else None)
             if params is not None:
                 # a seeded request draws its drafts from its own generator (reproducible)
-                chains.append((i, (sampled[-1], session, params, ib.generators.get(i))))
+                drawing.append((i, (sampled[-1], session, params, ib.generators.get(i))))
                 continue
             index = self._lookup_index(ib, i, req_id) if spec.lookup else None
             jobs.append((i, req_id, sampled[-1], session, index))
-        drawn = draft_chains([job for _, job in chains], chain_depth) if chains else []
-        for (i, _), (chain, q) in zip(chains, drawn, strict=True):
-            drafts[i] = chain.tokens[1:].tolist()
+        drawn = []  # per drawing request: (head tree, q rows, drawn node ids, row of each)
+        if drawing and chain_depth:
+            drawn = [(chain, q, list(range(1, chain_depth + 1)), list(range(chain_depth)))
+                     for chain, q in draft_chains([job for _, job in drawing], chain_depth)]
+        elif drawing:
+            drawn = draft_sampled_trees([job for _, job in drawing], shape,
+                                        device=hidden_states.device)
+        for (i, _), (tree, q, nodes, rows) in zip(drawing, drawn, strict=True):
+            drafts[i] = tree.tokens[1:].tolist()
             if not self.tree_mode:
                 probs[i] = q  # -> vLLM's rejection sampler
                 continue
-            req_id = ib.req_ids[i]  # -> plugin/sampler.verify_trees, with the chain's q
+            req_id = ib.req_ids[i]  # -> plugin/sampler.verify_trees, with the nodes' q
             index = self._lookup_index(ib, i, req_id) if spec.lookup else None
-            hybrid, nodes = graft_lookup(chain, index, spec.lookup, device=hidden_states.device)
+            hybrid, ids = graft_lookup(tree, index, spec.lookup, device=hidden_states.device)
             drafts[i] = hybrid.tree.tokens[1 : budget + 1].tolist()
-            self.trees[req_id], self.chain_q[req_id] = hybrid.tree, (q, nodes)
+            self.trees[req_id] = hybrid.tree
+            self.chain_q[req_id] = (q, [ids[n - 1] for n in nodes], rows)
             self.sources[req_id] = hybrid.sources
         hybrids = draft_hybrids([(root, session, index) for _, _, root, session, index in jobs],
                                 spec, self.rates, device=hidden_states.device) if jobs else []

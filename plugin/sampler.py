@@ -200,8 +200,9 @@ def verify_trees(runner, logits: torch.Tensor, meta, step) -> object:
 
     Rows of request r in `logits`: its n_r draft rows then its bonus row, i.e. the target's
     logits after each tree node [root, n1..nN] in node order, which is what `verify_tree` takes
-    (a chain drawn from the head's q, `TreeRequest.q`: `verify_chain` against q; lookup nodes
-    grafted after such a chain: `verify_tree` with the chain nodes' q).
+    (a chain drawn from the head's q, `TreeRequest.q`: `verify_chain` against q; a fixed-shape
+    tree drawn from q, or lookup nodes grafted after such a chain or tree: `verify_tree` with
+    the drawn nodes' q).
     Requests without (valid) drafts keep vLLM's own sampler (all its sampling parameters apply).
     Output: [B, max_spec_len + 1] int32, accepted path tokens then the next token, -1 padded;
     logprobs (when any request asked) in the same layout, the target's for every output token.
@@ -226,7 +227,7 @@ def verify_trees(runner, logits: torch.Tensor, meta, step) -> object:
     out = torch.full((B, S1), -1, dtype=torch.int32, device=logits.device)
     out[:, 0] = plain.sampled_token_ids[:, 0]
     paths = {}  # i -> logprobs of the accepted path (tree requests that asked for logprobs)
-    with_q = 0  # chains verified against their q
+    with_q = set()  # chains / trees (drawn siblings) verified against their q
     for i in range(B):
         req = requests.get(i)
         if req is None or req.size == 1:  # no valid drafts: vLLM's own sample stands
@@ -239,8 +240,9 @@ def verify_trees(runner, logits: torch.Tensor, meta, step) -> object:
             q = req.q.to(logits.device)
             if q.shape[-1] < tree_logits.shape[-1]:  # vLLM pads the vocabulary: q 0 there
                 q = torch.nn.functional.pad(q, (0, tree_logits.shape[-1] - q.shape[-1]))
-            with_q += 1
-        if q is not None and req.q_nodes == list(range(1, req.size)):  # the whole tree: a chain
+            with_q.add("trees" if len({req.parents[n] for n in req.q_nodes})
+                        < len(req.q_nodes) else "chains")
+        if q is not None and req.is_chain and req.q_nodes == list(range(1, req.size)):
             k, nxt = verify_chain(req.tokens[1:], q, tree_logits.float(), heads_params(sp),
                                   sm.generators.get(i))
             accepted = list(range(1, k + 1))
@@ -256,9 +258,10 @@ def verify_trees(runner, logits: torch.Tensor, meta, step) -> object:
             # token k of the path was drawn from the row of its parent: root, accepted nodes
             paths[i] = _path_logprobs(runner, logits, [root_row + a for a in [0, *accepted]],
                                       path, plain.logprobs_tensors.logprobs.shape[1])
-    if with_q:
+    for kind in with_q:
         init_logger("vllm.treedraft").info_once(
-            "treedraft: tree mode verifies head chains drawn from the head's q against q")
+            f"treedraft: tree mode verifies head {kind} drawn from the head's q against q"
+            + (" (siblings drawn without replacement)" if kind == "trees" else ""))
     lt = plain.logprobs_tensors
     return SamplerOutput(sampled_token_ids=out,
                          logprobs_tensors=None if lt is None else _batch_logprobs(lt, paths, B, S1))

@@ -29,7 +29,8 @@ class TreeRequest:
     is_chain: bool
     mask: torch.Tensor | None = None  # [n+1, n+1] bool: ancestors (trees; the prefix is all seen)
     q: torch.Tensor | None = None  # [k, V] rows of the head's q that nodes `q_nodes` were drawn
-    q_nodes: list[int] | None = None  # from (a sampled head chain, each its parent's first child)
+    q_nodes: list[int] | None = None  # from (a sampled head chain or fixed-shape tree; drawn
+    # nodes come first among their siblings, siblings drawn without replacement)
 
     @property
     def size(self) -> int:
@@ -119,9 +120,12 @@ def make_request(req_index: int, req_id: str, qs: int, root_pos: int, root: int,
     The scheduler may keep only a prefix of the drafts; a prefix of a topologically ordered tree
     is a tree. Placeholders (-1, for resumed requests) and anything else we did not draft are
     verified as a chain, which is exact too; the valid part ends at the first -1.
-    q: (the draft distributions [K, V], the ids in `tree` of the K chain nodes drawn from them)
-    when the head's part of `tree` is a chain drawn from q (`heads.lookup.graft_lookup`); kept
-    for the scheduled nodes, only when the drafts are that tree.
+    q: (the head's draft distributions [P, V], the ids in `tree` of the nodes drawn from them,
+    the row of each) when the head's part of `tree` was drawn from q: a chain
+    (`heads.sampling.draft_chains`, row d - 1 for the node at depth d) or a fixed-shape tree
+    (`draft_sampled_trees`, one row per expanded node), lookup nodes grafted after them
+    (`heads.lookup.graft_lookup`); kept for the scheduled nodes, only when the drafts are that
+    tree: `TreeRequest.q` holds one row per kept node.
     """
     n = next((i for i, t in enumerate(drafts) if t < 0), len(drafts))
     drafts = list(drafts[:n])
@@ -137,9 +141,9 @@ def make_request(req_index: int, req_id: str, qs: int, root_pos: int, root: int,
     mask = None if is_chain else buf.ancestor_mask
     q_rows, q_nodes = None, None
     if ours and q is not None and n:
-        kept = [(j, node) for j, node in enumerate(q[1]) if node <= n]
+        kept = [(row, node) for node, row in zip(q[1], q[2], strict=True) if node <= n]
         if kept:
-            q_rows = q[0][[j for j, _ in kept]]
+            q_rows = q[0][[row for row, _ in kept]]
             q_nodes = [node for _, node in kept]
     return TreeRequest(req_index, req_id, qs, root_pos, [root] + drafts, parents, depths,
                        is_chain, mask, q_rows, q_nodes)

@@ -32,13 +32,13 @@ TREES = "chain:3,chain:2+lookup:4,static:6,static:10,static:16"
 
 def tree_parents(spec: str, rates) -> list[int]:
     """The parents list of a tree spec's shape (root first)."""
-    from treedraft.heads.tree import _fixed_parents, parse_tree_spec
+    from treedraft.heads.tree import fixed_parents, parse_tree_spec
 
     s = parse_tree_spec(spec)
     if s.kind not in ("paths", "static"):
         raise SystemExit(f"--trees: {spec!r}: a dynamic tree's shape depends on the text; give "
                          "static:N (the head's N-node shape) or paths")
-    parents = list(_fixed_parents(s.head_spec, rates))
+    parents = list(fixed_parents(s.head_spec, rates))
     for j in range(s.lookup):  # a chain from the root
         parents.append(0 if j == 0 else len(parents) - 1)
     return parents

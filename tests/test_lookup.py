@@ -139,8 +139,14 @@ def test_graft_lookup_keeps_each_chain_node_first_among_its_siblings():
     assert graft_lookup(_tree([10, 11], [-1, 0]), None, 4)[1] == [1]  # no index: the chain
     with pytest.raises(ValueError, match="root"):
         graft_lookup(_tree([5, 11], [-1, 0]), index, 4)
-    with pytest.raises(ValueError, match="chain"):
-        graft_lookup(_tree([10, 11, 12], [-1, 0, 0]), index, 4)
+    # a sampled fixed-shape tree (10 -> 11, 12; 11 -> 13): its nodes keep their order, first
+    # among their siblings; the lookup chain's 11 merges into node 1, 15 follows 11's child 13
+    hybrid, nodes = graft_lookup(_tree([10, 11, 12, 13], [-1, 0, 0, 1]), index, 6)
+    t, p = hybrid.tree.tokens.tolist(), hybrid.tree.parents.tolist()
+    assert t == [10, 11, 12, 17, 13, 15, 16, 7, 10] and p == [-1, 0, 0, 0, 1, 1, 5, 6, 7]
+    assert nodes == [1, 2, 4]
+    with pytest.raises(ValueError, match="depth-ordered"):  # node 3 (depth 1) after depth 2
+        graft_lookup(_tree([10, 11, 12, 13], [-1, 0, 1, 0]), index, 4)
 
 
 @pytest.mark.parametrize("spec, nodes", [("dynamic:48,8+lookup:16", 64), ("lookup:16", 16),

@@ -567,7 +567,7 @@ def test_make_request_keeps_q_for_the_scheduled_nodes_drawn_from_it():
 
     chain = DraftTree(torch.tensor([7, 1, 2, 3]), torch.tensor([-1, 0, 1, 2]), torch.zeros(4))
     q = torch.rand(3, 11)
-    drawn = (q, [1, 2, 3])
+    drawn = (q, [1, 2, 3], [0, 1, 2])
     r = make_request(0, "x", 0, 10, 7, [1, 2], chain, drawn)  # scheduler kept a prefix
     assert r.is_chain and torch.equal(r.q, q[:2]) and r.q_nodes == [1, 2]
     assert make_request(0, "x", 0, 10, 7, [1, 5], chain, drawn).q is None  # not our chain
@@ -575,11 +575,17 @@ def test_make_request_keeps_q_for_the_scheduled_nodes_drawn_from_it():
     assert make_request(0, "x", 0, 10, 7, [-1], chain, drawn).q is None  # placeholders
     # a chain 1 -> 2 drawn from q with a lookup node (4) grafted at the root (graft_lookup)
     hybrid = DraftTree(torch.tensor([7, 1, 4, 2]), torch.tensor([-1, 0, 0, 1]), torch.zeros(4))
-    r = make_request(0, "x", 0, 10, 7, [1, 4, 2], hybrid, (q[:2], [1, 3]))
+    r = make_request(0, "x", 0, 10, 7, [1, 4, 2], hybrid, (q[:2], [1, 3], [0, 1]))
     assert not r.is_chain and torch.equal(r.q, q[:2]) and r.q_nodes == [1, 3]
-    r = make_request(0, "x", 0, 10, 7, [1, 4], hybrid, (q[:2], [1, 3]))  # node 3 not scheduled
+    r = make_request(0, "x", 0, 10, 7, [1, 4], hybrid, (q[:2], [1, 3], [0, 1]))  # 3 not scheduled
     assert torch.equal(r.q, q[:1]) and r.q_nodes == [1]
     assert make_request(0, "x", 0, 10, 7, [1, 4], hybrid).q is None  # drafted as argmax
+    # a fixed-shape tree drawn from q (draft_sampled_trees): the root's children 1, 2 from row 0,
+    # node 1's child 3 from row 1; each kept node gets its parent's row
+    tree = DraftTree(torch.tensor([7, 1, 4, 2]), torch.tensor([-1, 0, 0, 1]), torch.zeros(4))
+    r = make_request(0, "x", 0, 10, 7, [1, 4, 2], tree, (q[:2], [1, 2, 3], [0, 0, 1]))
+    assert not r.is_chain and r.q_nodes == [1, 2, 3]
+    assert torch.equal(r.q, q[[0, 0, 1]])
 
 
 # ----------------------------------------------------------------------------- config
@@ -934,8 +940,9 @@ def test_spec_decode_log_line_gains_the_histogram_in_treedraft_engines_only():
 def test_auto_arms_follow_the_spec_and_the_heads_depth():
     """`"tree": "auto"` plays fixed specs: chains of 1-4 head nodes (for greedy batches each
     also with the spec's lookup nodes, plain chains drawn from q for sampling ones) and the
-    head's own kind of tree up to the spec's size; a Medusa head's chains stop at its number of
-    heads."""
+    head's own kind of tree up to the spec's size (for sampling batches static trees, drawn
+    from q: an EAGLE-2 tree's shape depends on its own draws); a Medusa head's chains stop at
+    its number of heads."""
     from treedraft.heads.tree import parse_tree_spec
     from treedraft.plugin.proposer import AutoArms
 
@@ -945,6 +952,8 @@ def test_auto_arms_follow_the_spec_and_the_heads_depth():
     assert greedy[-1] == "dynamic:60,6,8+lookup:4"
     assert sampled[1:5] == ["chain:1", "chain:2", "chain:3", "chain:4"]
     assert all(auto.specs[a].chain_nodes == k for k, a in enumerate(sampled[1:5], 1))
+    assert sampled[5:] == [f"static:{n}+lookup:4" for n in (8, 16, 32, 60)]
+    assert all(auto.specs[a].head_spec.is_fixed for a in sampled[1:])
     assert auto.plan(1) is None  # the first arm measured: drafting nothing
     medusa = AutoArms(parse_tree_spec("static:32"), 2)
     assert medusa.bandit.arms[False] == ["none", "chain:1", "chain:2", "static:8", "static:16",

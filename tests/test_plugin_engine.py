@@ -91,6 +91,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 EAGLE = "smollm2-135m-eagle"
 HYBRID = "dynamic:10,3,3+lookup:6"
 QCHAIN = "dynamic:3,3,1+lookup:4"  # tree mode, the head's trees chains of 3, lookup grafted
+QTREE = "static:6+lookup:4"  # a fixed shape: sampled requests draw its siblings from q
 TREE = {"model": EAGLE, "tree": HYBRID}
 EAGLE3 = "smollm2-135m-eagle3"  # shipped EAGLE-3-layout head (exported/imported below)
 LOOKUP = {"method": "treedraft", "tree": "lookup:8"}
@@ -188,7 +189,7 @@ def _shapes_job(prompts, tokenizer) -> dict:
 # once), in the order they are built there: no speculation first, vLLM's ngram method last,
 # qchain before the other tree engines (its test reads a line vLLM logs once per process).
 # VLLM_PLUGINS is read once per process, hence a child of its own for stock vLLM.
-HOSTS = {"plugin": ["base_bf16", "chain", "qchain", "tree", "pressure", "medusa", "auto",
+HOSTS = {"plugin": ["base_bf16", "chain", "qchain", "qtree", "tree", "pressure", "medusa", "auto",
                     "schedule", "tree_bf16", "ngram"],
          "stock": ["stock_eagle3", "stock_medusa", "ngram_stock"]}
 HOST_ENV = {"plugin": {}, "stock": {"VLLM_PLUGINS": "none"}}
@@ -285,6 +286,10 @@ def runs(target, prompts, tokenizer, eagle3_export, medusa_export, tmp_path_fact
         # after them, and verify_trees verifies the chains' nodes against q
         "qchain": (target, {"model": EAGLE, "tree": QCHAIN},
                    [j for j in jobs if j["name"] == "topk"], None),
+        # a static tree: sampled requests draw each node's children from the head's q without
+        # replacement (heads.sampling.draft_sampled_trees), verify_trees tests them against q
+        "qtree": (target, {"model": EAGLE, "tree": QTREE},
+                  [j for j in jobs if j["name"] == "topk"], None),
         # the same folder in stock vLLM: its own EAGLE-3, treedraft's plugin not loaded (export)
         "stock_eagle3": (target, {"method": "eagle3", "model": eagle3_export,
                                   "num_speculative_tokens": 3}, jobs[1:2], None),
@@ -622,7 +627,7 @@ def test_acceptance_per_depth_matches_offline_evaluator(runs, name, tree, head_n
 
 # the chain's q path is the same code for both settings: top-p only there (CI time)
 @pytest.mark.parametrize("name, job", [("chain", "topp"), ("tree", "topp"), ("tree", "topk"),
-                                       ("qchain", "topk")])
+                                       ("qchain", "topk"), ("qtree", "topk")])
 def test_sampled_distribution_equals_no_speculation(runs, name, job):
     base = [tuple(t) for t in runs["base"][0][job]["tokens"]]
     res = runs[name][0][job]
@@ -645,6 +650,9 @@ def test_sampled_distribution_equals_no_speculation(runs, name, job):
         assert "tree mode verifies head chains drawn from the head's q against q" in runs[name][1]
         by_source = res["spec"]["accepted_by_source"]
         assert by_source["head"] > 0 and by_source["lookup"] + by_source["both"] > 0, by_source
+    if name == "qtree":  # siblings drawn from q without replacement, verified against q
+        assert "tree mode verifies head trees drawn from the head's q" in runs[name][1]
+        assert res["spec"]["accepted_by_source"]["head"] > 0
 
 
 def test_two_engines_in_one_process_stay_exact(target, prompts):

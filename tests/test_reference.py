@@ -159,8 +159,9 @@ def _pair_probs(model, prompt: list[int], params: SamplingParams, vocab: int) ->
 
 @pytest.mark.parametrize(
     "params, shape",
-    [(SamplingParams(temperature=0.8, top_p=0.9), "[[0],[1],[0,0],[0,1],[1,0]]"),  # branching
-     (SamplingParams(temperature=1.0, top_k=3), "[[0],[1],[0,0],[0,1],[1,0]]"),
+    [(SamplingParams(temperature=0.8, top_p=0.9), "[[0],[1],[0,0],[0,1],[1,0]]"),  # from q
+     (SamplingParams(temperature=1.0, top_k=2), "[[0],[1],[2],[0,0],[0,1],[1,0]]"),  # + filler
+     (SamplingParams(temperature=0.8, top_p=0.9), "dynamic:5,2,2"),  # EAGLE-2: one-hot
      (SamplingParams(temperature=0.8, top_p=0.9), "chain:2"),  # drafts sampled from q
      (SamplingParams(temperature=0.8, top_p=0.9), "[[0],[1],[0,0]]+lookup:4"),  # hybrid
      (SamplingParams(temperature=1.0, top_k=3), "chain:2+lookup:4"),  # chain from q + lookup

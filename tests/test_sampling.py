@@ -14,8 +14,10 @@ from treedraft.heads.sampling import (
     DRAW_BLOCK,
     SamplingParams,
     _fallback_token,
+    draft_sampled_trees,
     draw,
     draw_rows,
+    draw_without_replacement,
     make_generator,
     process_logits,
     sample,
@@ -371,9 +373,116 @@ def test_verify_tree_with_children_drawn_from_q_is_exact_monte_carlo(params):
     assert abs(first / n - float(torch.minimum(p0, q[0]).sum())) < 0.03
     assert abs(first_one_hot / n - float((p0 * q[0]).sum())) < 0.03
     assert first > first_one_hot
-    with pytest.raises(ValueError, match="first child"):  # q for a node after a one-hot sibling
+    with pytest.raises(ValueError, match="come first"):  # q for a node after a one-hot sibling
         verify_tree(torch.tensor([0, 1, 3]), [-1, 0, 0], torch.randn(3, V), params, g,
                     q={2: q[0]})
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.9, top_k=5, top_p=0.95),
+                                    SamplingParams(temperature=1.0)])
+def test_verify_tree_with_siblings_drawn_without_replacement_is_exact_monte_carlo(params):
+    """draft_sampled_trees' shape: the root's 3 children drawn without replacement from q0, then
+    a lookup child L (merged away when drawn); each drawn child x has 2 children drawn without
+    replacement from q1[x]. The first two committed tokens have the target's joint distribution,
+    and a drawn child is accepted with probability P(the first of them) + ..., more than the
+    one-hot test of the same trees. q0 misses a token and q1 rows miss some: a node's later
+    draws can run out of mass (fewer children)."""
+    V, n, L = 6, 6000, 2
+    g = torch.Generator().manual_seed(5)
+    logits0, off_logits = torch.randn(V, generator=g), torch.randn(V, V, generator=g)
+    q0 = torch.rand(V, generator=g) * torch.tensor([1.0, 1, 1, 1, 0, 1])
+    q1 = torch.rand(V, V, generator=g) * (torch.rand(V, V, generator=g) > 0.3)
+    q0, q1 = q0 / q0.sum(), q1 / q1.sum(-1, keepdim=True).clamp(min=1e-9)
+    p0, off = process_logits(logits0, params), process_logits(off_logits, params)
+    want = (p0[:, None] * off).double().tolist()  # [x1][x2]
+    counts, drawn_hit, one_hot_hit = torch.zeros(V, V), 0, 0
+    for _ in range(n):
+        kids = draw_without_replacement(q0, 3, g).tolist()
+        tokens, parents, q = [0] + kids, [-1] + [0] * len(kids), {}
+        q.update({c: q0 for c in range(1, len(kids) + 1)})
+        if L not in kids:
+            tokens, parents = tokens + [L], parents + [0]
+        for c in range(1, len(kids) + 1):
+            grand = draw_without_replacement(q1[tokens[c]], 2, g).tolist()
+            q.update({len(tokens) + j: q1[tokens[c]] for j in range(len(grand))})
+            tokens, parents = tokens + grand, parents + [c] * len(grand)
+        rows = torch.stack([logits0] + [off_logits[t] if parents[i] == 0 else
+                                        torch.randn(V, generator=g)
+                                        for i, t in enumerate(tokens) if i])
+        accepted, nxt = verify_tree(torch.tensor(tokens), parents, rows, params, g, q=q)
+        committed = [tokens[a] for a in accepted] + [nxt]
+        drawn_hit += bool(accepted) and accepted[0] <= len(kids)
+        one_hot, _ = verify_tree(torch.tensor(tokens), parents, rows, params, g)
+        one_hot_hit += bool(one_hot) and one_hot[0] <= len(kids)
+        if len(committed) == 1:  # the next step starts after the bonus token
+            committed.append(int(torch.multinomial(off[nxt], 1, generator=g)))
+        counts[committed[0], committed[1]] += 1
+    assert_counts_match(counts, want, n)
+    assert drawn_hit > one_hot_hit + 0.02 * n
+    with pytest.raises(ValueError, match="come first"):  # a drawn node after a one-hot sibling
+        verify_tree(torch.tensor([0, 1, 3]), [-1, 0, 0], torch.randn(3, V), params, g,
+                    q={2: q0})
+
+
+def test_draw_without_replacement_is_sequential_sampling_without_replacement():
+    """P(first = i) = q_i, P(second = j | first = i) = q_j / (1 - q_i); never a zero of q, and
+    no more indices than q has positive entries."""
+    q = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    g, n = torch.Generator().manual_seed(0), 20000
+    pairs = torch.zeros(4, 4)
+    for _ in range(n):
+        i, j = draw_without_replacement(q, 2, g).tolist()
+        pairs[i, j] += 1
+    want = torch.tensor([[q[i] * q[j] / (1 - q[i]) if i != j else 0.0 for j in range(4)]
+                         for i in range(4)])
+    assert (pairs[:, 3] == 0).all() and (pairs[3] == 0).all() and pairs.diagonal().sum() == 0
+    assert (pairs / n - want).abs().max() < 0.015
+    assert sorted(draw_without_replacement(q, 8, g).tolist()) == [0, 1, 2]
+
+
+class _TableHead:
+    """An expander whose draft log-probs after a node depend on the node's token only."""
+
+    def __init__(self, table):
+        self.table = table  # [V, V] log-probs
+
+    def expand(self, tree, nodes):
+        return self.table[tree.tokens[nodes]]
+
+
+def test_draft_sampled_trees_fills_the_shape_and_maps_each_drawn_node_to_its_q():
+    """A fixed shape (root: 3 children, its first child: 2) drawn from q under the request's
+    params: siblings distinct, each drawn node's q row is its parent's q; top_k=2 leaves the
+    root's third child to the head's next most likely token, a one-hot proposal (no q)."""
+    V = 8
+    g = torch.Generator().manual_seed(0)
+    table = torch.log_softmax(torch.randn(V, V, generator=g), -1)
+    parents = [-1, 0, 0, 0, 1, 1]
+    for params, drawn_at_root in ((SamplingParams(temperature=1.0), 3),
+                                  (SamplingParams(temperature=1.0, top_k=2), 2)):
+        gens = [torch.Generator().manual_seed(s) for s in (1, 2)]
+        out = draft_sampled_trees([(3, _TableHead(table), params, gens[0]),
+                                   (5, _TableHead(table), params, gens[1])], parents)
+        for (tree, q, nodes, rows), root in zip(out, (3, 5), strict=True):
+            t = tree.tokens.tolist()
+            assert tree.parents.tolist() == parents and t[0] == root
+            assert len(set(t[1:4])) == 3 and len(set(t[4:6])) == 2  # distinct siblings
+            assert q.shape == (2, V)  # rows: the root's q, node 1's q
+            torch.testing.assert_close(q[0], process_logits(table[root], params))
+            torch.testing.assert_close(q[1], process_logits(table[t[1]], params))
+            assert nodes == [1, 2, 3][:drawn_at_root] + [4, 5]
+            assert rows == [0] * drawn_at_root + [1, 1]
+            assert all(q[r][t[c]] > 0 for c, r in zip(nodes, rows, strict=True))
+            if drawn_at_root == 2:  # the filler: the likeliest token outside q's support
+                rest = table[root].masked_fill(q[0] > 0, float("-inf"))
+                assert t[3] == int(rest.argmax())
+    again = draft_sampled_trees([(3, _TableHead(table), SamplingParams(temperature=1.0),
+                                  torch.Generator().manual_seed(1))], parents)[0][0]
+    first = draft_sampled_trees([(3, _TableHead(table), SamplingParams(temperature=1.0),
+                                  torch.Generator().manual_seed(1))], parents)[0][0]
+    assert torch.equal(again.tokens, first.tokens)  # a seeded request draws the same tree
+    with pytest.raises(ValueError, match="greedy"):
+        draft_sampled_trees([(3, _TableHead(table), SamplingParams(), None)], parents)
 
 
 def test_verify_chain_greedy_and_shapes():
