@@ -54,8 +54,9 @@ def arms_for(head_nodes: int, max_depth: int | None, lookup: int, sampled: bool,
     requests each followed by itself with `lookup` nodes grafted (sampled requests' grafted
     chains, drawn from q, ran 0.98x a chain of 3 at T=1 on MT-bench: scripts/BENCHMARKS.md,
     "Lookup nodes after a sampled chain"); and where the head's spec
-    branches (`tree_of(n)`: its n-node tree), its trees of 8, 16, 32 and `head_nodes` nodes
-    (each with the lookup nodes)."""
+    branches (`tree_of(n)`: an n-node tree; plugin/proposer.AutoArms passes the head's own kind
+    for greedy requests, static trees, drawn from q, for sampled ones), its trees of 8, 16, 32
+    and `head_nodes` nodes (each with the lookup nodes)."""
     depth = min(4, head_nodes, max_depth or 4)
     grafts = ["", f"+lookup:{lookup}"] if lookup and not sampled else [""]
     arms = [NONE] + [f"chain:{k}{g}" for k in range(1, depth + 1) for g in grafts]

@@ -5,9 +5,9 @@ Features:
   builds it (float32 logits / temperature, top-k, top-p as in `apply_top_k_top_p`, float32
   softmax); greedy when temperature < 1e-5. Works on any batch shape [..., V].
 - `sample`: plain sampling from that distribution (greedy -> argmax, else `draw`).
-- `draw` / `draw_rows`: one token from a distribution by the inverse CDF of one uniform (every
-  random draw of drafting and verification; vLLM's chain rejection sampler's recovered tokens on
-  CPU: plugin/sampler.py).
+- `draw` / `draw_rows`: one token from a distribution by the inverse CDF of one uniform (the
+  draws of sampled chains and of verification; vLLM's chain rejection sampler's recovered tokens
+  on CPU: plugin/sampler.py); `draw_without_replacement`: a node's k children (Gumbel-top-k).
 - `verify_tree`: verification of a drafted token tree, greedy or sampled. The committed tokens
   have exactly the target's distribution whatever the draft proposed (proof next to the code).
 - Sampled chains (T > 0): `draft_chain` samples each draft token from q = the head's
@@ -17,6 +17,8 @@ Features:
   bonus token), the rule vLLM's rejection sampler applies when it is given draft probabilities.
   Measured on the shipped EAGLE head (MT-bench, T=1): depth-1 acceptance 0.26 with sampled
   drafts against 0.18 with argmax drafts (one-hot q).
+- Sampled fixed-shape trees (static, paths): `draft_sampled_trees` draws every node's children
+  without replacement from q; `verify_tree` tests them recursively against it (`q` argument).
 """
 
 from __future__ import annotations
@@ -443,18 +445,24 @@ def _level_q(rows: Tensor, params: Sequence[SamplingParams]) -> Tensor:
     return q
 
 
+def gumbel_keys(q: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """log q + Gumbel noise [..., V] float64, one uniform per entry from `generator`: a row's
+    entries in decreasing key order are in the order sequential sampling without replacement
+    draws them (the first ~ q, each next ~ q without the earlier ones, renormalised: the
+    Gumbel-top-k trick); entries where q = 0 get -inf, after every positive one."""
+    u = torch.rand(q.shape, generator=generator, dtype=torch.float64, device=q.device)
+    u.clamp_(min=torch.finfo(torch.float64).tiny)  # u = 0 would give a positive q key -inf
+    return q.double().log() - (-u.log()).log()
+
+
 def draw_without_replacement(q: Tensor, k: int, generator: torch.Generator | None = None
                              ) -> Tensor:
     """min(k, #positive entries) distinct indices of q [V] (>= 0) in the order sequential
-    sampling without replacement draws them (the first ~ q, each next ~ q without the earlier
-    ones, renormalised): the top of log q + Gumbel noise (Gumbel-top-k, that same law), one
-    float64 uniform per entry from `generator`."""
+    sampling without replacement draws them (`gumbel_keys`)."""
     if q.dim() != 1:
         raise ValueError(f"draw_without_replacement takes one distribution [V], got "
                          f"{tuple(q.shape)}")
-    n = min(k, int((q > 0).sum()))
-    u = torch.rand(q.shape, generator=generator, dtype=torch.float64, device=q.device)
-    return (q.double().log() - (-u.log()).log()).topk(n).indices
+    return gumbel_keys(q, generator).topk(min(k, int((q > 0).sum()))).indices
 
 
 def draft_sampled_trees(jobs: Sequence[tuple[int, object, SamplingParams, torch.Generator | None]],
@@ -510,22 +518,30 @@ def draft_sampled_trees(jobs: Sequence[tuple[int, object, SamplingParams, torch.
         lo = 0
         for i in live:
             level, generator = asks[i][1], jobs[i][3]
+            hi = lo + len(level)
+            block = q[lo:hi]  # this request's expanded nodes: one draw of keys for all of them
+            kmax = min(asks[i][2], block.shape[-1])
+            pick = gumbel_keys(block, generator).topk(kmax, dim=-1).indices  # [n, kmax]
+            support = (block > 0).sum(-1).tolist()
+            lq = block.gather(1, pick).log().tolist()
+            target_ids = (pick if ids is None else ids[pick.to(ids.device)]).tolist()
             values, tokens = [], []
-            for r, node in enumerate(level, start=lo):
+            for r, node in enumerate(level):
                 k = len(children[node])
-                pick = draw_without_replacement(q[r], k, generator)
-                drawn = len(pick)
+                drawn = min(k, support[r])
+                picked, lp = target_ids[r][:drawn], lq[r][:drawn]
                 if drawn < k:  # q's support is used up: the head's next tokens, one-hot
-                    rest = logits[r].float().masked_fill(q[r] > 0, float("-inf"))
-                    pick = torch.cat([pick, rest.topk(k - drawn).indices])
-                lp = torch.log_softmax(logits[r].float(), -1)[pick]  # fillers: the head's own
-                lp[:drawn] = q[r][pick[:drawn]].log()
-                values.append(lp.tolist())
-                tokens.append((pick if ids is None else ids[pick.to(ids.device)]).tolist())
+                    rest = logits[lo + r].float().masked_fill(block[r] > 0, float("-inf"))
+                    extra = rest.topk(k - drawn).indices
+                    lp = lp + torch.log_softmax(logits[lo + r].float(), -1)[extra].tolist()
+                    picked = picked + (extra if ids is None else
+                                       ids[extra.to(ids.device)]).tolist()
+                values.append(lp)
+                tokens.append(picked)
                 nodes[i] += children[node][:drawn]
                 rows_of[i] += [len(qs[i])] * drawn
-                qs[i].append(q[r])
-            lo += len(level)
+                qs[i].append(block[r])
+            lo = hi
             advance(i, (values, tokens))
     result = []
     for tree, rows, drawn, row_of in zip(out, qs, nodes, rows_of, strict=True):
