@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tree import MAX_TREE_DEPTH, Device, DraftTree
+from .tree import MAX_TREE_DEPTH, Device, DraftTree, validate_parents
 
 HEAD, LOOKUP = 1, 2  # node source bits; HEAD | LOOKUP = both proposed it
 SOURCE_NAMES = {HEAD: "head", LOOKUP: "lookup", HEAD | LOOKUP: "both"}
@@ -195,14 +195,13 @@ def graft_lookup(tree: DraftTree, index: LookupIndex | None, n: int,
     order (node i of `tree` is node ids[i - 1] of the hybrid). Head nodes stay first among their
     siblings, in their order, which `verify_tree`'s q needs; a lookup token equal to a head
     node's merges into it."""
-    root, parents = int(tree.tokens[0]), tree.parents.tolist()
+    root, parents = int(tree.tokens[0]), validate_parents(tree.parents)
     depth = [0] * len(parents)
     for i in range(1, len(parents)):
         depth[i] = depth[parents[i]] + 1
-    if parents[:1] != [-1] or any(not 0 <= parents[i] < i for i in range(1, len(parents))) \
-            or depth != sorted(depth):
-        raise ValueError(f"graft_lookup takes a depth-ordered tree (parents -1, then earlier "
-                         f"nodes, depths non-decreasing), got parents {parents}")
+    if depth != sorted(depth):
+        raise ValueError(f"graft_lookup takes a depth-ordered tree (depths non-decreasing in "
+                         f"node order), got parents {parents}")
     _check_history(index, root)
     hybrid = merge_trees(tree, root, index.propose(n) if index is not None and n else [],
                          device)

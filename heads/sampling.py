@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from .common import batched
-from .tree import Device, DraftTree, fixed_steps, validate_parents
+from .tree import Device, DraftTree, fixed_steps, in_lockstep, validate_parents
 
 SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below it mean greedy
 
@@ -492,35 +492,26 @@ def draft_sampled_trees(jobs: Sequence[tuple[int, object, SamplingParams, torch.
         children[parents[i]].append(i)
     expanders = [e for _, e, *_ in jobs]
     many = batched(expanders, "draft_logits_many")
-    steps = [fixed_steps(int(root), parents, device) for root, *_ in jobs]
-    asks: list[tuple | None] = [None] * len(jobs)
-    out: list[DraftTree | None] = [None] * len(jobs)
-
-    def advance(i: int, answer) -> None:
-        try:
-            asks[i] = steps[i].send(answer)
-        except StopIteration as stop:
-            out[i], asks[i] = stop.value, None
-
-    for i in range(len(jobs)):
-        advance(i, None)
     qs: list[list[Tensor]] = [[] for _ in jobs]
     nodes: list[list[int]] = [[] for _ in jobs]
     rows_of: list[list[int]] = [[] for _ in jobs]
     ids, vocab = None, None
-    while live := [i for i in range(len(jobs)) if asks[i] is not None]:
-        items = [(expanders[i], *asks[i][:2]) for i in live]
+
+    def level_of(live: list[tuple[int, tuple]]) -> list[tuple[list, list]]:
+        """One level of every live tree: each expanded node's children drawn from its q."""
+        nonlocal ids, vocab
+        items = [(expanders[i], tree, level) for i, (tree, level, _) in live]
         if many is not None:
             logits, ids, vocab = many(items)
         else:
             logits = torch.cat([e.expand(t, level) for e, t, level in items])
-        q = _level_q(logits, [jobs[i][2] for i in live for _ in asks[i][1]])
-        lo = 0
-        for i in live:
-            level, generator = asks[i][1], jobs[i][3]
+        q = _level_q(logits, [jobs[i][2] for i, (_, level, _) in live for _ in level])
+        answers, lo = [], 0
+        for i, (_, level, kmax) in live:
+            generator = jobs[i][3]
             hi = lo + len(level)
             block = q[lo:hi]  # this request's expanded nodes: one draw of keys for all of them
-            kmax = min(asks[i][2], block.shape[-1])
+            kmax = min(kmax, block.shape[-1])
             pick = gumbel_keys(block, generator).topk(kmax, dim=-1).indices  # [n, kmax]
             support = (block > 0).sum(-1).tolist()
             lq = block.gather(1, pick).log().tolist()
@@ -542,9 +533,12 @@ def draft_sampled_trees(jobs: Sequence[tuple[int, object, SamplingParams, torch.
                 rows_of[i] += [len(qs[i])] * drawn
                 qs[i].append(block[r])
             lo = hi
-            advance(i, (values, tokens))
+            answers.append((values, tokens))
+        return answers
+
+    trees = in_lockstep([fixed_steps(int(root), parents, device) for root, *_ in jobs], level_of)
     result = []
-    for tree, rows, drawn, row_of in zip(out, qs, nodes, rows_of, strict=True):
+    for tree, rows, drawn, row_of in zip(trees, qs, nodes, rows_of, strict=True):
         q = torch.stack(rows) if rows else torch.zeros(0, vocab or 0)
         if ids is not None:  # draft vocabulary -> the target's
             q = q.new_zeros(q.shape[0], vocab).index_copy_(1, ids.to(q.device), q)

@@ -704,21 +704,28 @@ def draft_trees(
         root = int(root)
         steps.append(_dynamic_steps(root, spec, device) if spec.kind == "dynamic" else
                      fixed_steps(root, fixed_parents(spec, acceptance_rates), device))
-    out: list[DraftTree | None] = [None] * len(jobs)
-    asks: list[tuple | None] = [None] * len(jobs)
+    return in_lockstep(steps, lambda live: _expand_many([(jobs[i][1], *ask) for i, ask in live]))
 
-    def advance(i: int, answer) -> None:
+
+def in_lockstep(steps: Sequence, answer) -> list:
+    """Run drafting generators (`fixed_steps`, `_dynamic_steps`: each yields what it asks for,
+    receives the answer, returns its tree) together, one round per tree level: `answer(live)`
+    takes the (index, ask) pairs of the generators still running and returns their answers in
+    that order (one batched expansion for all of them). The generators' results, in order."""
+    out: list = [None] * len(steps)
+    asks: list = [None] * len(steps)
+
+    def advance(i: int, reply) -> None:
         try:
-            asks[i] = steps[i].send(answer)
+            asks[i] = steps[i].send(reply)
         except StopIteration as stop:
             out[i], asks[i] = stop.value, None
 
-    for i in range(len(jobs)):
+    for i in range(len(steps)):
         advance(i, None)
-    while live := [i for i in range(len(jobs)) if asks[i] is not None]:
-        answers = _expand_many([(jobs[i][1], *asks[i]) for i in live])
-        for i, answer in zip(live, answers, strict=True):
-            advance(i, answer)
+    while live := [(i, ask) for i, ask in enumerate(asks) if ask is not None]:
+        for (i, _), reply in zip(live, answer(live), strict=True):
+            advance(i, reply)
     return out
 
 
