@@ -4,7 +4,10 @@ A session is one request id whose prompt grows chunk by chunk, each chunk with i
 SamplingParams; vLLM keeps the request (and treedraft its draft state) between chunks and
 replaces its SamplingParams. Tests call ``run_session(...)``; the child prints one line
 ``TREEDRAFT_RESULT [token ids of the whole session's output]``. AsyncLLM always runs its engine
-core in a separate process, hence the ``__main__`` guard.
+core in a separate process, hence the ``__main__`` guard. One session per process: in vLLM 0.32
+a second AsyncLLM with speculative decoding, built in the same process after a first one shut
+down, returns a streaming session that differs from no speculation's (tokens of its first steps
+missing; vLLM's own ngram method too, whatever the first engine was).
 """
 
 from __future__ import annotations

@@ -29,10 +29,13 @@ from treedraft.training.target import HFTarget, encode_chat, init_head, load_tar
 
 class OracleDrafter:
     """Drafts with a causal LM's own distribution (no cache: re-runs the sequence + tree path).
-    With the target itself as the model, greedy trees are accepted deeply."""
+    With the target itself as the model, greedy trees are accepted deeply. `memo`: keep every
+    sequence's log-probabilities (a tiny vocabulary's samples revisit the same few sequences
+    thousands of times; any q is exact, as long as the one that drew a draft verifies it)."""
 
-    def __init__(self, model):
+    def __init__(self, model, memo: bool = False):
         self.model, self.prompt, self.generated = model, [], None
+        self.memo: dict[tuple[int, ...], torch.Tensor] | None = {} if memo else None
 
     def draft_session(self):
         self.generated = None
@@ -52,7 +55,15 @@ class OracleDrafter:
             while node > 0:
                 path.append(int(tree.tokens[node]))
                 node = int(tree.parents[node])
-            seqs.append(self.prompt + self.generated + path[::-1])
+            seqs.append(tuple(self.prompt + self.generated + path[::-1]))
+        if self.memo is None:
+            return self._forward(seqs)
+        new = list(dict.fromkeys(s for s in seqs if s not in self.memo))
+        if new:
+            self.memo.update(zip(new, self._forward(new), strict=True))
+        return torch.stack([self.memo[s] for s in seqs])
+
+    def _forward(self, seqs: list[tuple[int, ...]]) -> torch.Tensor:
         # one batched forward, right-padded: causal attention leaves real positions untouched
         lens = torch.tensor([len(s) for s in seqs])
         ids = torch.zeros(len(seqs), int(lens.max()), dtype=torch.long)
@@ -173,7 +184,7 @@ def test_sampling_distribution_matches_plain(params, shape):
     vocab, n = 8, 1500
     model = _tiny_llama(0, vocab)
     target = HFTarget(model)
-    drafter = OracleDrafter(_tiny_llama(1, vocab))  # a different model: partial acceptance
+    drafter = OracleDrafter(_tiny_llama(1, vocab), memo=True)  # another model: partial acceptance
     drafter.prompt = prompt = [1, 5, 2]
     drafter = None if shape.startswith("lookup") else drafter
     tree = parse_tree_spec(shape)
