@@ -7,7 +7,8 @@ replaces its SamplingParams. Tests call ``run_session(...)``; the child prints o
 core in a separate process, hence the ``__main__`` guard. One session per process: in vLLM 0.32
 a second AsyncLLM with speculative decoding, built in the same process after a first one shut
 down, returns a streaming session that differs from no speculation's (tokens of its first steps
-missing; vLLM's own ngram method too, whatever the first engine was).
+missing; vLLM's own ngram method too, with treedraft's plugin not loaded, whatever the first
+engine was).
 """
 
 from __future__ import annotations
