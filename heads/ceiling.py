@@ -16,7 +16,8 @@ beats the top-N paths: any exact scheme emits the target's own sample, so a pass
 only where that sample passes through i, with probability reach(i); a tree of N nodes earns at
 most the N largest reach values, and those form a tree (reach(child) <= reach(parent)). Drafts
 drawn at random from the head's q and tested against it (chains and static trees at T > 0) are
-not bound by it: their tokens move with the target's sample (a q equal to p always passes). `oracle_tree` finds them with the target itself as drafter, so
+not bound by it: their tokens move with the target's sample (a q equal to p always passes).
+`oracle_tree` finds the top-N paths with the target itself as drafter, so
 `1 + oracle reach sum` is the ceiling of tau for N-node trees at that position and temperature
 (at T=0 it is N + 1: the target's greedy chain).
 """

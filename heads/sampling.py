@@ -7,7 +7,9 @@ Features:
 - `sample`: plain sampling from that distribution (greedy -> argmax, else `draw`).
 - `draw` / `draw_rows`: one token from a distribution by the inverse CDF of one uniform (the
   draws of sampled chains and of verification; vLLM's chain rejection sampler's recovered tokens
-  on CPU: plugin/sampler.py); `draw_without_replacement`: a node's k children (Gumbel-top-k).
+  on CPU: plugin/sampler.py); `gumbel_keys`: the Gumbel-top-k keys by which
+  `draft_sampled_trees` draws each node's children without replacement, one block for a
+  request's level (`draw_without_replacement`: the same draw for one distribution).
 - `verify_tree`: verification of a drafted token tree, greedy or sampled. The committed tokens
   have exactly the target's distribution whatever the draft proposed (proof next to the code).
 - Sampled chains (T > 0): `draft_chain` samples each draft token from q = the head's
