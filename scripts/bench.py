@@ -35,10 +35,10 @@ vLLM's continuous batching). Waves end with their slowest request, so a configur
 finishes some requests early (lookup on a repetitive reply) gains nothing there until the
 wave ends, while a queue refills the batch at once; `auto` maximises tokens per second of the
 running batch, what a queue measures. A queue's tokens/s (and so its speedup) is its rate while
-the batch is full, what a server under steady load delivers: by Little's law, batch size x the
-tokens / the seconds (submission to end) of the requests that ran with `batch size` requests in
-flight throughout (scripts/engine.py's `full_batch`: all but the last few, which end in the
-drain after the queue empties). The drain would otherwise count against speculation alone:
+the batch is full, what a server under steady load delivers: the tokens made from the
+`batch size`-th submission to the first end after the queue emptied, over those seconds
+(scripts/engine.py's `full_batch_window`; each request's tokens counted pro rata of its life
+inside that stretch). The drain would otherwise count against speculation alone:
 every request asks for the same number of tokens (`ignore_eos`), so without speculation a
 batch's requests end in the same step and the queue never drains, while speculation ends them
 steps apart and the last ones run at a smaller batch. `wall_tokens_per_s` in bench.json is the
@@ -203,17 +203,6 @@ def target_passes(tokens: int, accepted: int, drafts: int, requests: int) -> int
     return max(tokens - accepted, drafts + requests, 1)
 
 
-def full_batch_rate(tokens: list[int], seconds: list[float], full: list[bool], batch: int
-                    ) -> float | None:
-    """A queue's tokens/s while `batch` requests are in flight, by Little's law: `batch` times
-    the tokens over the seconds (each request's, submission to end) of the requests that ran
-    with `batch` in flight throughout (`full`); None where none did."""
-    ran = [(n, s) for n, s, f in zip(tokens, seconds, full, strict=False) if f]
-    if not ran or sum(s for _, s in ran) <= 0:
-        return None
-    return batch * sum(n for n, _ in ran) / sum(s for _, s in ran)
-
-
 def _row(config: str, job: dict, res: dict) -> dict:
     from treedraft.plugin.profile import per_step_ms
 
@@ -221,13 +210,13 @@ def _row(config: str, job: dict, res: dict) -> dict:
     seconds = sum(res["wave_seconds"])
     bs = job["batch_size"]
     longest = [max(len(t) for t in res["tokens"][i : i + bs]) for i in range(0, len(res["tokens"]), bs)]
-    rate = None  # continuous: tokens/s while the batch is full (`full_batch_rate`)
+    rate = None  # continuous: tokens/s while the batch is full (engine.full_batch_window)
     if "request_seconds" in res:  # continuous: per request, submission to last token
         per_token = [s / max(len(t), 1) for s, t in zip(res["request_seconds"], res["tokens"],
                                                           strict=True)]
         tpot = 1000 * sum(per_token) / len(per_token)
-        rate = full_batch_rate([len(t) for t in res["tokens"]], res["request_seconds"],
-                               res.get("full_batch") or [], bs)
+        if sum(res.get("full_seconds") or []) > 0:
+            rate = sum(res["full_tokens"]) / sum(res["full_seconds"])
     else:  # waves: a wave's time over its longest output
         tpot = 1000 * sum(w / n for w, n in zip(res["wave_seconds"], longest, strict=True)
                           ) / len(longest)

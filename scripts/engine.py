@@ -25,9 +25,10 @@ the prompt tokens' logprobs (`prompt_logprobs`; null where not asked),
 every position's returned [token, logprob] pairs largest first (`top_logprobs`: with
 `logprobs: k`, the top k and the sampled token's; raw logits under `logprobs_mode:
 raw_logits`), the
-finish reasons, the wall time of each wave (continuous: one for the whole job, and each
-request's seconds from its submission to its last token, `request_seconds`, and whether it
-ran with `batch_size` requests in flight throughout, `full_batch`) and the change of
+finish reasons, the wall time of each wave (continuous: one for the whole job, each
+request's seconds from its submission to its last token, `request_seconds`, and the queue's
+stretch at full batch, `full_tokens` per request and `full_seconds`: `full_batch_window`)
+and the change of
 vLLM's spec-decode counters during the job
 (and, when `TREEDRAFT_PROFILE` is in the engine's environment, the change of the worker's step
 profile: seconds per phase, steps, scheduled tokens; plugin/profile.py). While it
@@ -286,11 +287,16 @@ def _run_job(llm, job: dict) -> dict:
     prof = os.environ.get(profile.PROFILE_ENV)  # the worker's step profile (plugin/profile.py)
     prof_before = profile.read(prof)
     tokens, logprobs, top, finish, waves, prompt_lps = [], [], [], [], [], []
-    request_seconds = full = None
+    queue = None
     if job.get("continuous"):  # one run of the whole queue
         t = time.perf_counter()
-        outs, request_seconds, full = _continuous(llm, prompts, params, bs, job["name"])
+        outs, starts, ends = _continuous(llm, prompts, params, bs, job["name"])
         runs = [(outs, time.perf_counter() - t)]
+        window = full_batch_window(starts, ends, [sum(len(c.token_ids) for c in o.outputs)
+                                                  for o in outs], bs)
+        queue = {"request_seconds": [e - s for s, e in zip(starts, ends, strict=True)],
+                 "full_tokens": window[0] if window else [0.0] * len(outs),
+                 "full_seconds": [window[1]] if window else []}
     else:
         runs = _waves(llm, prompts, params, bs, job["name"])
     for outs, seconds in runs:
@@ -318,8 +324,8 @@ def _run_job(llm, job: dict) -> dict:
     out = {"tokens": tokens, "logprobs": logprobs, "top_logprobs": top, "finish_reasons": finish,
            "prompt_logprobs": prompt_lps,
            "wave_seconds": waves, "spec": counter_delta(before, spec_counters(llm))}
-    if request_seconds is not None:
-        out["request_seconds"], out["full_batch"] = request_seconds, full
+    if queue is not None:
+        out.update(queue)
     if prof:
         out["profile"] = profile.delta(prof_before, profile.read(prof))
     return out
@@ -336,13 +342,10 @@ def _waves(llm, prompts: list, params: list, bs: int, name: str):
 
 
 def _continuous(llm, prompts: list, params: list, bs: int, name: str
-                ) -> tuple[list, list[float], list[bool]]:
+                ) -> tuple[list, list[float], list[float]]:
     """Generate with at most `bs` requests in the engine, submitting the next prompt as soon
     as one finishes (what a server with a queue and continuous batching does): the outputs in
-    prompt order, each request's seconds from its submission to its end, and whether `bs`
-    requests were in flight in its last step (`full_batch`; in flight never grows back once the
-    queue is empty, so such a request ran with `bs` requests throughout, none of it in the
-    drain at the end of the queue)."""
+    prompt order and each request's submission and end times (`time.perf_counter`)."""
     from vllm.sampling_params import RequestOutputKind
 
     engine = llm.llm_engine
@@ -352,8 +355,7 @@ def _continuous(llm, prompts: list, params: list, bs: int, name: str
     where = {rid: i for i, rid in enumerate(ids)}
     outs: list = [None] * len(prompts)
     started = [0.0] * len(prompts)
-    seconds = [0.0] * len(prompts)
-    full = [False] * len(prompts)
+    ended = [0.0] * len(prompts)
     nxt = running = 0
     while nxt < len(prompts) or running:
         while nxt < len(prompts) and running < bs:
@@ -361,15 +363,37 @@ def _continuous(llm, prompts: list, params: list, bs: int, name: str
             started[nxt] = time.perf_counter()
             where[engine.add_request(ids[nxt], prompts[nxt], params[nxt])] = nxt  # vLLM's id
             nxt, running = nxt + 1, running + 1
-        in_flight = running
         for o in engine.step():
             if o.finished:
                 i = where[o.request_id]
-                outs[i], seconds[i] = o, time.perf_counter() - started[i]
-                full[i] = in_flight == bs
+                outs[i], ended[i] = o, time.perf_counter()
                 running -= 1
                 _report({"job": name, "tokens": sum(len(c.token_ids) for c in o.outputs)})
-    return outs, seconds, full
+    return outs, started, ended
+
+
+def full_batch_window(starts: list[float], ends: list[float], tokens: list[int], batch: int
+                      ) -> tuple[list[float], float] | None:
+    """A queue's stretch at full batch, from its requests' submission and end times (one
+    clock) and output lengths, where each freed slot takes the next request at once (an
+    engine's queue, a client at fixed concurrency): it runs from the `batch`-th submission
+    to the first end after the last submission, after which the batch drains. Returns each
+    request's tokens inside the stretch, pro rata of the part of its life the stretch holds
+    (its tokens taken as even over its life), and the stretch's seconds: their ratio is the
+    queue's tokens/s at full batch, what a server under steady load delivers. (Counting
+    whole requests that ended at full batch instead, by Little's law, leaves out the slow
+    ones still running when the queue empties and so favours configurations whose requests'
+    speeds vary: a tree with prompt lookup.) None where fewer than `batch` requests ran."""
+    if len(starts) < batch or batch < 1:
+        return None
+    last = max(starts)
+    begin = sorted(starts)[batch - 1]
+    end = min((e for e in ends if e > last), default=last)
+    if end <= begin:
+        return None
+    share = [n * max(0.0, min(e, end) - max(s, begin)) / (e - s) if e > s else 0.0
+             for s, e, n in zip(starts, ends, tokens, strict=True)]
+    return share, end - begin
 
 
 def _main(path: str) -> None:

@@ -13,8 +13,8 @@ are the main job's (8 MT-bench first turns, `--stride 10`, as text in vLLM's `cu
 format: the client applies the chat template), `--ignore-eos` at `--max-new-tokens`, 4
 requests per concurrency slot (at least the 8 prompts, cycled), after `--num-warmups` of one
 request per slot. A run's output tokens/s is its rate at full concurrency, as `treedraft
-bench` measures a queue (`bench.full_batch_rate` over the requests `at_full_concurrency`, from
-vLLM's detailed result: start times, latencies, output lengths); `wall_tokens_per_s` is vLLM's
+bench` measures a queue (`engine.full_batch_window`, from vLLM's detailed result: start
+times, latencies, output lengths); `wall_tokens_per_s` is vLLM's
 output throughput over the whole run, the drain at its end included. The speedup of a run is
 its tokens/s over the baseline's (the first configuration's) in the same round; rows hold the
 median and range, as `treedraft bench`'s do.
@@ -34,16 +34,6 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-
-
-def at_full_concurrency(starts: list[float], latencies: list[float], concurrency: int
-                        ) -> list[bool]:
-    """Per request of a `vllm bench serve` run (its start times and latencies): whether
-    `concurrency` requests were in flight when it ended (itself included), i.e. it ran at full
-    concurrency throughout, none of it in the drain after the last request was sent."""
-    ends = [s + t for s, t in zip(starts, latencies, strict=True)]
-    return [sum(s <= e <= f for s, f in zip(starts, ends, strict=True)) >= concurrency
-            for e in ends]
 
 
 def summarize(runs: list[dict], baseline: str) -> list[dict]:
@@ -121,7 +111,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from treedraft.training.data import first_turn, load_prompts
     from treedraft.training.models import resolve_model
 
-    from .bench import PRESETS, full_batch_rate, run_order, speculative_config
+    from .bench import PRESETS, run_order, speculative_config
+    from .engine import full_batch_window
 
     q = PRESETS["quick"]
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -188,8 +179,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 raise RuntimeError(f"vllm bench serve failed for {c}:\n{r.stdout[-3000:]}"
                                    f"{r.stderr[-3000:]}")
             res = json.loads((out / f"{name}.json").read_text())
-            full = at_full_concurrency(res["start_times"], res["latencies"], cc)
-            rate = full_batch_rate(res["output_lens"], res["latencies"], full, cc)
+            window = full_batch_window(
+                res["start_times"], [s + t for s, t in zip(res["start_times"], res["latencies"],
+                                                           strict=True)], res["output_lens"], cc)
+            rate = sum(window[0]) / window[1] if window else None
             runs.append({"config": c, "temperature": t, "concurrency": cc, "round": rnd,
                          "tokens_per_s": rate or res["output_throughput"],
                          "wall_tokens_per_s": res["output_throughput"],

@@ -189,14 +189,14 @@ def test_bench_continuous_jobs_and_their_tpot():
             "mean_acceptance_length": None}
     row = _row("no-spec", job, {"tokens": [[1] * 4, [2] * 2, [3] * 4], "wave_seconds": [2.0],
                                 "request_seconds": [0.8, 0.2, 1.2], "spec": spec})
-    assert row["tokens_per_s"] == row["wall_tokens_per_s"] == 5.0  # no request ran at a full batch
+    assert row["tokens_per_s"] == row["wall_tokens_per_s"] == 5.0  # no stretch at full batch
     assert row["tpot_ms"] == pytest.approx(1000 * (0.2 + 0.1 + 0.3) / 3)
-    # the last request ran in the queue's drain (fewer than 2 in flight at its end): the rate is
-    # Little's law over the other two, 2 in flight at 6 tokens per 1.0 request-seconds
+    # the queue's stretch at full batch: its tokens over its seconds (two queues, one per turn)
     row = _row("no-spec", job, {"tokens": [[1] * 4, [2] * 2, [3] * 4], "wave_seconds": [2.0],
                                 "request_seconds": [0.8, 0.2, 1.2],
-                                "full_batch": [True, True, False], "spec": spec})
-    assert row["tokens_per_s"] == pytest.approx(12.0) and row["wall_tokens_per_s"] == 5.0
+                                "full_tokens": [4.0, 2.0, 1.0], "full_seconds": [0.25, 0.25],
+                                "spec": spec})
+    assert row["tokens_per_s"] == pytest.approx(14.0) and row["wall_tokens_per_s"] == 5.0
 
 
 
@@ -596,19 +596,22 @@ def test_serve_bench_pairs_each_round_with_its_baseline():
     assert "| auto | 0 | 1 | 27.0 | 1.50x (1.50-1.50) |" in markdown(list(rows.values()))
 
 
-def test_serve_bench_rates_requests_that_ran_at_full_concurrency():
-    """The client's detailed result (start times, latencies) marks the requests that ended with
-    `concurrency` in flight: the last ones, ending in the drain, are left out of the rate."""
-    from treedraft.scripts.bench import full_batch_rate
-    from treedraft.scripts.serve_bench import at_full_concurrency
+def test_full_batch_window_counts_the_queue_at_full_batch_not_whole_requests():
+    """A queue's rate at full batch counts what its stretch at full batch made, not the requests
+    that ended in it (Little's law over those favours the fast ones: it said 13.3 here)."""
+    from treedraft.scripts.engine import full_batch_window
 
-    # concurrency 2: a and b start at 0; c starts when a ends (1.0); b ends at 1.5 with c in
-    # flight; then c runs alone until 2.5
-    starts, latencies = [0.0, 0.0, 1.0], [1.0, 1.5, 1.5]
-    full = at_full_concurrency(starts, latencies, 2)
-    assert full == [True, True, False]
-    assert full_batch_rate([10, 15, 15], latencies, full, 2) == pytest.approx(2 * 25 / 2.5)
-    assert full_batch_rate([10], [1.0], [False], 2) is None
+    # batch 2, 10 tokens each: a (10 tokens/s) and b (5/s) start at 0; c (5/s) takes a's slot
+    # at 1.0. Full from 0 until b ends at 2.0 (c is the last, then runs alone until 3.0): a's
+    # and b's 10 tokens and half of c's, 25 tokens in 2 s (15/s, then 10/s)
+    starts, ends = [0.0, 0.0, 1.0], [1.0, 2.0, 3.0]
+    share, seconds = full_batch_window(starts, ends, [10, 10, 10], 2)
+    assert share == pytest.approx([10.0, 10.0, 5.0]) and seconds == pytest.approx(2.0)
+    assert sum(share) / seconds == pytest.approx(12.5)
+    # every request at once, none refilled: full until the first ends
+    share, seconds = full_batch_window([0.0, 0.0], [1.0, 4.0], [10, 20], 2)
+    assert share == pytest.approx([10.0, 5.0]) and seconds == pytest.approx(1.0)
+    assert full_batch_window([0.0], [1.0], [10], 2) is None  # never a full batch
 
 
 def test_serving_takes_the_port_it_waits_on_and_refuses_another_in_the_command(tmp_path):
@@ -706,7 +709,8 @@ def test_bench_engines_take_turns_a_few_requests_at_a_time():
 
     def res(tokens, secs, drafts, accepted, per_pos, source):
         return {"tokens": tokens, "wave_seconds": [sum(secs)], "request_seconds": secs,
-                "full_batch": [True] * len(tokens), "logprobs": [None] * len(tokens),
+                "full_tokens": [float(len(t)) for t in tokens], "full_seconds": [sum(secs)],
+                "logprobs": [None] * len(tokens),
                 "spec": {"drafts": drafts, "draft_tokens": 3 * drafts, "accepted": accepted,
                          "preemptions": 0, "accepted_per_pos": per_pos,
                          "accepted_by_source": source,

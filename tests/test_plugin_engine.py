@@ -471,11 +471,12 @@ def test_auto_under_a_queue_of_greedy_and_sampled_requests(runs, prompts, target
     assert len(res["request_seconds"]) == len(prompts) and len(res["wave_seconds"]) == 1
     # a queue of 3: the job took longer than any one request, less than all of them in a row
     assert max(res["request_seconds"]) < res["wave_seconds"][0] < sum(res["request_seconds"])
-    # requests that ran with 3 in flight throughout (treedraft bench's full-batch rate): every
-    # one that ended while the queue still held prompts, and the first to end after; not the
-    # last ones, which end in the drain (unless all three end in one step)
-    full = res["full_batch"]
-    assert len(full) == len(prompts) and len(prompts) - 2 <= sum(full) < len(prompts)
+    # the queue's stretch at full batch (treedraft bench's rate): shorter than the job, every
+    # request's share of it at most its tokens, the first requests' whole
+    (seconds,), share = res["full_seconds"], res["full_tokens"]
+    assert 0 < seconds < res["wave_seconds"][0] and len(share) == len(prompts)
+    assert all(0 <= s <= len(t) + 1e-9 for s, t in zip(share, res["tokens"], strict=True))
+    assert share[0] == pytest.approx(len(res["tokens"][0]), rel=1e-3)
     assert res["spec"]["drafts"] > 0
 
 
