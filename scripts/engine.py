@@ -58,7 +58,9 @@ BY_SOURCE = "vllm:treedraft_accepted_tokens_by_source"  # label source: head / l
 def engine_env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
+    # vLLM's OpenMP threads on the CPUs this process may use (all of them, or what taskset or
+    # a cgroup allows), one per CPU
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, sorted(os.sched_getaffinity(0)))))
     return env
 
 

@@ -614,6 +614,27 @@ def test_full_batch_window_counts_the_queue_at_full_batch_not_whole_requests():
     assert full_batch_window([0.0], [1.0], [10], 2) is None  # never a full batch
 
 
+def test_engines_bind_their_threads_to_the_cpus_the_process_may_use():
+    """The engines treedraft starts (bench, serve_bench, the tests' engines) bind vLLM's OpenMP
+    threads to the CPUs of the process's affinity: all of them, or the share taskset, a cgroup
+    or a test worker (tests/conftest.py) leaves it; in vLLM's list syntax."""
+    import os
+
+    from vllm.utils.cpu_resource_utils import parse_id_list
+
+    last = max(os.sched_getaffinity(0))
+    code = ("from treedraft.scripts.engine import engine_env; "
+            "print(engine_env()['VLLM_CPU_OMP_THREADS_BIND'])")
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         check=True, preexec_fn=lambda: os.sched_setaffinity(0, {last}))
+    assert parse_id_list(out.stdout.strip()) == [last]
+    mine = sorted(os.sched_getaffinity(0))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         check=True)
+    assert parse_id_list(out.stdout.strip()) == mine
+
+
 def test_serving_takes_the_port_it_waits_on_and_refuses_another_in_the_command(tmp_path):
     """`serving` adds `--port PORT` itself, so the port whose /health it waits for is the one
     the server listens on; a command that names a port too is refused before anything starts."""

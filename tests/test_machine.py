@@ -59,3 +59,17 @@ def test_this_machine_is_described_with_the_flags_that_matter():
     # the training default is 'auto' and resolves to this machine's choice for training
     assert TrainConfig().dtype == "auto"
     assert TrainConfig().compute_dtype() == default_dtype("cpu", info, "train")
+
+
+def test_each_test_worker_owns_its_share_of_the_cpus():
+    """Parallel tests (tests/conftest.py): each worker runs on its own cores, and the engines
+    it starts bind their OpenMP threads to those."""
+    import os
+
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        pytest.skip("one process (-n 0): every CPU")
+    n = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    mine = sorted(os.sched_getaffinity(0))
+    assert 1 <= len(mine) <= max(1, (os.cpu_count() or 1) // n)  # a share, not every CPU
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(map(str, mine))
+    assert os.environ["OMP_NUM_THREADS"] == str(len(mine))

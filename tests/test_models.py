@@ -87,6 +87,39 @@ def test_missing_package_names_the_pip_command(monkeypatch, tmp_path):
     assert not any((tmp_path / "models").glob("*")), "nothing half-written is left behind"
 
 
+def test_processes_materializing_one_model_at_once_convert_it_once(monkeypatch, tmp_path):
+    """Two test workers (or two servers) asking for one embedded model into an empty cache:
+    the first converts it under the lock, the others wait and find it done (nobody deletes a
+    folder another is reading). The conversion is the real one's stand-in: it takes a while and
+    writes what `materialize` checks; threads hold separate open files, so the lock applies."""
+    import json
+    import threading
+    import time
+
+    monkeypatch.setenv("TREEDRAFT_CACHE", str(tmp_path))
+    model = EMBEDDED_MODELS["smollm2-135m"]
+    calls = []
+
+    def convert(name, model, out):
+        calls.append(name)
+        time.sleep(0.5)  # the others arrive while this one converts
+        out.mkdir(parents=True)
+        (out / models._MARKER).write_text(json.dumps(
+            {"sha256": model.sha256, "format": models._FORMAT_VERSION}))
+
+    monkeypatch.setattr(models, "_convert", convert)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(materialize("smollm2-135m")))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == ["smollm2-135m"], calls
+    assert got == [tmp_path / "models" / "smollm2-135m"] * 3
+    assert models._materialized(got[0], model)
+
+
 def test_corrupt_package_file_is_detected(monkeypatch, tmp_path):
     monkeypatch.setenv("TREEDRAFT_CACHE", str(tmp_path))
     bad = replace(EMBEDDED_MODELS["smollm2-135m"], name="bad", sha256="0" * 64)

@@ -8,13 +8,16 @@ Every place in treedraft that takes a model accepts:
   * a hub id (``org/name``), passed through for users who have a model hub.
 
 The cache lives in ``$TREEDRAFT_CACHE`` (default ``~/.cache/treedraft``). Materialization is
-atomic (temporary folder + rename), so an interrupted run leaves nothing half-written.
+atomic (temporary folder + rename), so an interrupted run leaves nothing half-written, and
+processes that ask for one model at once take turns (a lock file in the cache's ``locks/``): the
+first converts it, the others find it done.
 
     python -m treedraft.training.models smollm2-135m     # prints the folder
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -96,12 +99,28 @@ def materialize(name: str, *, force: bool = False) -> Path:
     """Hugging Face folder of embedded model ``name``, converted from its GGUF once."""
     model = EMBEDDED_MODELS[name]
     out = cache_dir() / "models" / name
-    marker = out / _MARKER
-    if not force and marker.is_file():
-        info = json.loads(marker.read_text())
-        if info.get("sha256") == model.sha256 and info.get("format") == _FORMAT_VERSION:
-            return out
+    if not force and _materialized(out, model):
+        return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    locks = cache_dir() / "locks"  # kept apart: a lock file is never removed (that would race)
+    locks.mkdir(exist_ok=True)
+    with open(locks / f"model-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not force and _materialized(out, model):  # another process made it meanwhile
+            return out
+        _convert(name, model, out)
+    return out
+
+
+def _materialized(out: Path, model: EmbeddedModel) -> bool:
+    marker = out / _MARKER
+    if not marker.is_file():
+        return False
+    info = json.loads(marker.read_text())
+    return info.get("sha256") == model.sha256 and info.get("format") == _FORMAT_VERSION
+
+
+def _convert(name: str, model: EmbeddedModel, out: Path) -> None:
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{name}.tmp") as tmp:
         tmp = Path(tmp)
         gguf = _assemble_gguf(model, tmp / "model.gguf")
@@ -115,7 +134,6 @@ def materialize(name: str, *, force: bool = False) -> Path:
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp / "hf", out)
-    return out
 
 
 def _assemble_gguf(model: EmbeddedModel, dest: Path) -> Path:
