@@ -2,9 +2,9 @@
 
 The suite runs in parallel (`-n auto --dist loadfile` in pyproject.toml: pytest-xdist, each test
 file whole in one worker, so a file's shared engines stay shared). Each worker owns its share
-of the CPUs, pinned before torch or vLLM start: the worker's process and everything it starts
-(engines, `vllm serve`, the CLI) run on those cores, and vLLM's OpenMP threads bind to them
-(VLLM_CPU_OMP_THREADS_BIND). On a 2-core machine that is one core per worker: one worker's
+of the CPUs, its affinity set before torch starts: the worker's process and everything it starts
+(engines, `vllm serve`, the CLI) inherit it, torch sizes its thread pool from it, and the engines
+bind vLLM's OpenMP threads to it (`scripts/engine.py` `engine_env`). On a 2-core machine that is one core per worker: one worker's
 engine computes while the other imports vLLM or starts an engine, which is single-threaded
 work. `-n 0` runs the suite in one process on every core.
 
@@ -28,10 +28,8 @@ def _worker_cpus() -> list[int] | None:
     return cpus[i * per:(i + 1) * per] or [cpus[i % len(cpus)]]
 
 
-if (_cpus := _worker_cpus()) is not None:  # before torch starts its thread pool
+if (_cpus := _worker_cpus()) is not None:  # before torch sizes its thread pool from it
     os.sched_setaffinity(0, _cpus)
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, _cpus))
-    os.environ["OMP_NUM_THREADS"] = str(len(_cpus))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
