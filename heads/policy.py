@@ -17,25 +17,28 @@ the steps it ran (per request: a context spans batches, 5-8 requests, and a CPU 
 about the same at either end, so plain tokens/s would favour whichever arm ran while the queue
 was fuller). It plays an arm for a window of `window` steps; a step counts for its arm only
 when the step before it ran the same arm in the same context (so the drafts it verified were
-that arm's too) and it ran no prefill chunk (`observe`'s `usable`). At each window's end:
+that arm's) and it ran no prefill chunk (`observe`'s `usable`). Along the size order the rate
+is taken to rise to the best arm and fall after it (more drafted nodes accept more tokens and
+cost more rows; a *unimodal* bandit, as in rate adaptation for radio links), so the policy
+plays and explores only the best arm and its *neighbours* (`reach`: the next arm either way, or
+the next two where plain and grafted chains alternate); arms further away wait until the best
+moves next to them. At each window's end:
 
-1. the arms are ordered by size; the smallest not measured yet in this context is played while
-   the largest measured one ran at least `sweep` times the best rate (larger trees cost more
-   rows: where one size already loses, the next is measured only once a later measurement,
-   by exploration, puts the arm below it near the best). The arm that stops the sweep is first
-   played for a second window: what a window accepts varies with its text several-fold (one
-   measured 19.7 tokens/s per request where the same arm's later windows measured 55-65), and
-   one unlucky window would otherwise keep every larger arm unmeasured until exploration
-   returns to it;
-2. else every `explore_every`-th window plays the measured arm, other than the best, with the
-   highest optimistic rate `rate * (1 + bonus / sqrt(steps / window))`, if that beats the best's
-   rate: a near-best arm soon, one at half the best's rate only when its measurement has
-   decayed to a few steps;
-3. else the arm with the best measured rate (tokens per request / seconds).
+1. a context with nothing measured plays the best arm of the nearest batch context of its
+   sampling class (a queue draining from 8 requests to 4 starts where 8 ended), else nothing;
+2. else a neighbour of the best arm measured in fewer than two windows is played: what a
+   window accepts varies with its text several-fold (one measured 19.7 tokens/s per request
+   where the same arm's later windows measured 55-65), and one unlucky window would otherwise
+   keep the walk from passing it until exploration returns to it;
+3. else every `explore_every`-th window plays the neighbour with the highest optimistic rate
+   `rate * (1 + bonus / sqrt(steps / window))`, if that beats the best's rate;
+4. else the arm with the best measured rate (tokens per request / seconds).
 
-All arms' sums in a context decay by `decay` at each of its windows, so what was measured long
-ago weighs less and a stale arm's optimism grows back: the text and the machine drift.
-Exploration costs at most one window in `explore_every`, spent on arms that may beat the best.
+When a neighbour overtakes the best, the walk moves one arm along and measures the new
+neighbours. All arms' sums in a context decay by `decay` at each of its windows, so what was
+measured long ago weighs less and a stale neighbour's optimism grows back: the text and the
+machine drift. Exploration costs at most one window in `explore_every`, spent on arms next to
+the best.
 """
 
 from __future__ import annotations
@@ -67,6 +70,13 @@ def arms_for(head_nodes: int, max_depth: int | None, lookup: int, sampled: bool,
     return arms
 
 
+def reach(arms: Sequence[str]) -> int:
+    """How far along the size order an arm's neighbours lie: 2 where the chains alternate plain
+    and grafted (a chain's neighbours are then the next chain either way, grafted or not, and
+    itself grafted or not), else 1."""
+    return 2 if any(a.startswith("chain:") and "+" in a for a in arms) else 1
+
+
 def context(batch: int, sampled: int) -> tuple[int, bool]:
     """(batch rounded up to a power of two, most requests sample)."""
     return 1 << max(batch - 1, 0).bit_length(), 2 * sampled > batch
@@ -88,11 +98,11 @@ class ArmBandit:
     """Plan each step's arm (`plan`), learn from its outcome (`observe`). See the module doc."""
 
     def __init__(self, arms: dict[bool, Sequence[str]], window: int = 8,
-                 explore_every: int = 8, bonus: float = 0.5, decay: float = 0.95,
-                 sweep: float = 0.85) -> None:
+                 explore_every: int = 8, bonus: float = 0.5, decay: float = 0.95) -> None:
         self.arms = {sampled: list(a) for sampled, a in arms.items()}  # per sampling class
         self.window, self.explore_every = window, explore_every
-        self.bonus, self.decay, self.sweep = bonus, decay, sweep
+        self.bonus, self.decay = bonus, decay
+        self.reach = {sampled: reach(a) for sampled, a in self.arms.items()}
         self.stats: dict[tuple[int, bool], list[Arm]] = {}
         self.windows: dict[tuple[int, bool], int] = {}  # windows started per context
         self.ctx: tuple[int, bool] | None = None  # the context and arm of the current window
@@ -149,27 +159,30 @@ class ArmBandit:
             a.seconds *= self.decay
             a.steps *= self.decay
         seen = [i for i, a in enumerate(arms) if a.steps > 0]
-        best = max(seen, key=lambda i: arms[i].rate, default=0)
-        frontier = len(seen)  # arms are ordered by size: the next one not measured yet
-        pick = self._sweep(arms, frontier, best)
-        if pick is not None:
-            return pick
-        if n % self.explore_every or len(arms) == 1:
+        if not seen:
+            return self._start(ctx)
+        best = max(seen, key=lambda i: arms[i].rate)
+        r = self.reach[ctx[1]]
+        near = [i for i in range(max(best - r, 0), min(best + r + 1, len(arms))) if i != best]
+        fresh = [i for i in near if arms[i].windows < 2]
+        if fresh:  # a neighbour measured in fewer than two windows
+            return fresh[0]
+        if n % self.explore_every or not near:
             return best
 
         def optimistic(i: int) -> float:
             return arms[i].rate * (1 + self.bonus / math.sqrt(max(arms[i].steps, 1.0)
                                                               / self.window))
 
-        pick = max((i for i in seen if i != best), key=optimistic, default=best)
+        pick = max(near, key=optimistic)
         return pick if optimistic(pick) > arms[best].rate else best
 
-    def _sweep(self, arms: list[Arm], frontier: int, best: int) -> int | None:
-        """The arm the sweep plays (module doc, 1.), or None once it stopped."""
-        if frontier == len(arms):
-            return None
-        if frontier == 0 or arms[frontier - 1].rate >= self.sweep * arms[best].rate:
-            return frontier  # sweep up while the largest arm measured is near the best
-        if arms[frontier - 1].windows < 2:
-            return frontier - 1  # it stops the sweep: measured in a second window first
-        return None
+    def _start(self, ctx: tuple[int, bool]) -> int:
+        """A context's first arm: the best of the nearest batch context of its sampling class
+        already measured (the larger batch on a tie), else drafting nothing."""
+        others = [(abs(c[0].bit_length() - ctx[0].bit_length()), -c[0], c)
+                  for c in self.stats if c != ctx and c[1] == ctx[1] and self.rates(c)]
+        if not others:
+            return 0
+        best = self.best(min(others)[2])
+        return self.arms[ctx[1]].index(best)
