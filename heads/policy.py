@@ -26,7 +26,8 @@ moves next to them. At each window's end:
 
 1. a context with nothing measured plays the best arm of the nearest batch context of its
    sampling class (a queue draining from 8 requests to 4 starts where 8 ended), else nothing;
-2. else a neighbour of the best arm measured in fewer than two windows is played: what a
+2. else a neighbour of the best arm played in fewer than two windows, or never measured (its
+   windows cut short by a change of context), is played: what a
    window accepts varies with its text several-fold (one measured 19.7 tokens/s per request
    where the same arm's later windows measured 55-65), and one unlucky window would otherwise
    keep the walk from passing it until exploration returns to it;
@@ -164,8 +165,8 @@ class ArmBandit:
         best = max(seen, key=lambda i: arms[i].rate)
         r = self.reach[ctx[1]]
         near = [i for i in range(max(best - r, 0), min(best + r + 1, len(arms))) if i != best]
-        fresh = [i for i in near if arms[i].windows < 2]
-        if fresh:  # a neighbour measured in fewer than two windows
+        fresh = [i for i in near if arms[i].windows < 2 or not arms[i].steps]
+        if fresh:  # a neighbour measured in fewer than two windows, or in none that counted
             return fresh[0]
         if n % self.explore_every or not near:
             return best

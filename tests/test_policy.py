@@ -201,3 +201,23 @@ def test_one_unlucky_window_does_not_hide_the_best_arm():
     played = run(b, rate, 400, noise=0.0)
     assert b.best(context(1, 0)) == "chain:2"
     assert played["chain:2"] > 0.7 * 400, played
+
+
+def test_a_neighbour_whose_windows_were_cut_short_is_still_measured():
+    """A window ends early when the batch crosses a power of two (another context): a
+    neighbour whose first windows ended before any step of it counted is still unmeasured, so it
+    is played again, not left at rate 0 for good."""
+    arms = [NONE, "chain:1", "chain:2"]
+    b = ArmBandit({False: arms, True: [NONE]}, window=4)
+    for _ in range(4):  # batch 1: drafting nothing measured
+        b.plan(1)
+        b.observe(1, 0.05)
+    for _ in range(3):  # each return to batch 1 starts a window that a batch of 2 cuts short
+        b.plan(1)
+        b.observe(1, 0.05)
+        b.plan(2)
+        b.observe(2, 0.05, requests=2)
+    assert b.stats[(1, False)][1].windows >= 2 and b.stats[(1, False)][1].steps == 0
+    played = run(b, lambda a, t: 40.0 if a == "chain:1" else 20.0, 400, noise=0.0)
+    assert b.best((1, False)) in ("chain:1", "chain:2"), played
+    assert played.get("chain:1", 0) > 100, played
