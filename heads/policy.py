@@ -95,6 +95,13 @@ class Arm:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
+def leader(arms: Sequence[Arm]) -> int | None:
+    """The index of the measured arm with the best rate (the first on a tie), None if none is
+    measured."""
+    seen = [i for i, a in enumerate(arms) if a.steps]
+    return max(seen, key=lambda i: arms[i].rate) if seen else None
+
+
 class ArmBandit:
     """Plan each step's arm (`plan`), learn from its outcome (`observe`). See the module doc."""
 
@@ -149,8 +156,8 @@ class ArmBandit:
                                                  strict=False) if a.steps}
 
     def best(self, ctx: tuple[int, bool]) -> str | None:
-        r = self.rates(ctx)
-        return max(r, key=r.get) if r else None
+        i = leader(self.stats.get(ctx, ()))
+        return None if i is None else self.arms[ctx[1]][i]
 
     def _choose(self, ctx: tuple[int, bool]) -> int:
         arms = self.stats.setdefault(ctx, [Arm() for _ in self.arms[ctx[1]]])
@@ -159,10 +166,9 @@ class ArmBandit:
             a.tokens *= self.decay
             a.seconds *= self.decay
             a.steps *= self.decay
-        seen = [i for i, a in enumerate(arms) if a.steps > 0]
-        if not seen:
+        best = leader(arms)
+        if best is None:
             return self._start(ctx)
-        best = max(seen, key=lambda i: arms[i].rate)
         r = self.reach[ctx[1]]
         near = [i for i in range(max(best - r, 0), min(best + r + 1, len(arms))) if i != best]
         fresh = [i for i in near if arms[i].windows < 2 or not arms[i].steps]
@@ -181,9 +187,7 @@ class ArmBandit:
     def _start(self, ctx: tuple[int, bool]) -> int:
         """A context's first arm: the best of the nearest batch context of its sampling class
         already measured (the larger batch on a tie), else drafting nothing."""
-        others = [(abs(c[0].bit_length() - ctx[0].bit_length()), -c[0], c)
-                  for c in self.stats if c != ctx and c[1] == ctx[1] and self.rates(c)]
-        if not others:
-            return 0
-        best = self.best(min(others)[2])
-        return self.arms[ctx[1]].index(best)
+        others = [(abs(c[0].bit_length() - ctx[0].bit_length()), -c[0], i)
+                  for c, arms in self.stats.items()
+                  if c != ctx and c[1] == ctx[1] and (i := leader(arms)) is not None]
+        return min(others)[2] if others else 0
