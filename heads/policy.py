@@ -5,9 +5,10 @@ cost, and both sides depend on the machine (a GPU verifies 64 rows for the price
 2-core CPU does not), the batch size, the temperature and the text. Nothing of that is
 modelled here; it is measured. The policy chooses among a few fixed draft configurations, the
 *arms* (`arms_for`): drafting nothing, chains of 1-4 head nodes (where the spec has lookup
-nodes, for greedy requests each chain also with the request's prompt-lookup proposal grafted:
-the graft pays where rows are cheap, at batch 1, and loses where they are not) and the head's
-trees up to the spec's size. Whatever an arm's verification costs (CPU tree attention,
+nodes, for greedy requests each chain also with the request's prompt-lookup proposal grafted,
+a few nodes and all the spec's (`grafts`): the graft pays where rows are cheap, at batch 1, and
+where replies copy their prompt, and loses where neither holds) and the head's trees up to the
+spec's size. Whatever an arm's verification costs (CPU tree attention,
 a GPU kernel), its realized tokens per second per request is what ranks it: nothing to retune
 per machine.
 
@@ -20,8 +21,9 @@ when the step before it ran the same arm in the same context (so the drafts it v
 that arm's) and it ran no prefill chunk (`observe`'s `usable`). Along the size order the rate
 is taken to rise to the best arm and fall after it (more drafted nodes accept more tokens and
 cost more rows; a *unimodal* bandit, as in rate adaptation for radio links), so the policy
-plays and explores only the best arm and its *neighbours* (`reach`: the next arm either way, or
-the next two where plain and grafted chains alternate); arms further away wait until the best
+plays and explores only the best arm and its *neighbours* (`neighbours`: the next arm either way
+along the head's nodes, and for a chain itself with the next graft of lookup nodes either way);
+arms further away wait until the best
 moves next to them. At each window's end:
 
 1. a context with nothing measured plays the best arm of the nearest batch context of its
@@ -51,19 +53,28 @@ from dataclasses import dataclass
 NONE = "none"  # the arm that drafts nothing
 
 
+def grafts(lookup: int) -> tuple[int, ...]:
+    """The lookup nodes a greedy chain arm may graft where the spec has `lookup`: all of them
+    and, from 8 up, a quarter (what the prompt's n-grams propose pays with the text: on
+    Qwen2.5-Coder's HumanEval replies, which copy the prompt's code, 16 lookup nodes after a chain
+    of 2 ran 3.2x no speculation where 4 ran about 2.4x; on SmolLM2's MT-bench replies 16 ran
+    2-3 % behind 4)."""
+    return (lookup // 4, lookup) if lookup >= 8 else (lookup,) if lookup else ()
+
+
 def arms_for(head_nodes: int, max_depth: int | None, lookup: int, sampled: bool,
              tree_of: Callable[[int], str] | None = None) -> list[str]:
     """The arms (tree spec strings, `NONE` for no drafts) of a sampling class, by size:
     nothing; chains of 1..4 head nodes (at most `max_depth` and `head_nodes`), for greedy
-    requests each followed by itself with `lookup` nodes grafted (sampled requests' grafted
-    chains, drawn from q, ran 0.98x a chain of 3 at T=1 on MT-bench: scripts/BENCHMARKS.md,
-    "Lookup nodes after a sampled chain"); and where the head's spec
+    requests each followed by itself with each of `grafts(lookup)` lookup nodes grafted (sampled
+    requests' grafted chains, drawn from q, ran 0.98x a chain of 3 at T=1 on MT-bench:
+    scripts/BENCHMARKS.md, "Lookup nodes after a sampled chain"); and where the head's spec
     branches (`tree_of(n)`: an n-node tree; plugin/proposer.AutoArms passes the head's own kind
     for greedy requests, static trees, drawn from q, for sampled ones), its trees of 8, 16, 32
-    and `head_nodes` nodes (each with the lookup nodes)."""
+    and `head_nodes` nodes (each with the `lookup` nodes)."""
     depth = min(4, head_nodes, max_depth or 4)
-    grafts = ["", f"+lookup:{lookup}"] if lookup and not sampled else [""]
-    arms = [NONE] + [f"chain:{k}{g}" for k in range(1, depth + 1) for g in grafts]
+    tails = [""] + ([f"+lookup:{n}" for n in grafts(lookup)] if not sampled else [])
+    arms = [NONE] + [f"chain:{k}{t}" for k in range(1, depth + 1) for t in tails]
     if tree_of is not None:
         tail = f"+lookup:{lookup}" if lookup else ""
         arms += [tree_of(n) + tail for n in sorted({8, 16, 32, head_nodes})
@@ -71,11 +82,33 @@ def arms_for(head_nodes: int, max_depth: int | None, lookup: int, sampled: bool,
     return arms
 
 
-def reach(arms: Sequence[str]) -> int:
-    """How far along the size order an arm's neighbours lie: 2 where the chains alternate plain
-    and grafted (a chain's neighbours are then the next chain either way, grafted or not, and
-    itself grafted or not), else 1."""
-    return 2 if any(a.startswith("chain:") and "+" in a for a in arms) else 1
+def neighbours(arms: Sequence[str]) -> list[list[int]]:
+    """Per arm, the indices of its neighbours. The arms sit on a grid: head nodes one way (none,
+    chains of 1..4, then the trees by size), grafted lookup nodes the other (plain, then each
+    graft size); a chain's neighbours are the chains one node shorter and longer with the same
+    graft and itself with the next graft either way. Drafting nothing and the trees take any
+    graft: their neighbours are the next chain or tree along with every graft."""
+    chains = [a.partition("+") for a in arms if a.startswith("chain:")]
+    depths = sorted({int(head[6:]) for head, _, _ in chains})
+    sizes = sorted({int(graft.rpartition(":")[2]) for _, _, graft in chains if graft})
+    where = []  # (head position, graft position or None: any)
+    for i, a in enumerate(arms):
+        head, _, graft = a.partition("+")
+        if a == NONE:
+            where.append((0, None))
+        elif head.startswith("chain:"):
+            where.append((1 + depths.index(int(head[6:])),
+                          1 + sizes.index(int(graft.rpartition(":")[2])) if graft else 0))
+        else:  # a tree, after the chains in size order
+            where.append((len(depths) + 1 + sum(not b.startswith("chain:") and b != NONE
+                                                for b in arms[:i]), None))
+
+    def near(a: tuple, b: tuple) -> bool:
+        if abs(a[0] - b[0]) == 1:
+            return a[1] is None or b[1] is None or a[1] == b[1]
+        return a[0] == b[0] and None not in (a[1], b[1]) and abs(a[1] - b[1]) == 1
+
+    return [[j for j, b in enumerate(where) if near(a, b)] for a in where]
 
 
 def context(batch: int, sampled: int) -> tuple[int, bool]:
@@ -110,7 +143,7 @@ class ArmBandit:
         self.arms = {sampled: list(a) for sampled, a in arms.items()}  # per sampling class
         self.window, self.explore_every = window, explore_every
         self.bonus, self.decay = bonus, decay
-        self.reach = {sampled: reach(a) for sampled, a in self.arms.items()}
+        self.near = {sampled: neighbours(a) for sampled, a in self.arms.items()}
         self.stats: dict[tuple[int, bool], list[Arm]] = {}
         self.windows: dict[tuple[int, bool], int] = {}  # windows started per context
         self.ctx: tuple[int, bool] | None = None  # the context and arm of the current window
@@ -169,8 +202,7 @@ class ArmBandit:
         best = leader(arms)
         if best is None:
             return self._start(ctx)
-        r = self.reach[ctx[1]]
-        near = [i for i in range(max(best - r, 0), min(best + r + 1, len(arms))) if i != best]
+        near = self.near[ctx[1]][best]
         fresh = [i for i in near if arms[i].windows < 2 or not arms[i].steps]
         if fresh:  # a neighbour measured in fewer than two windows, or in none that counted
             return fresh[0]

@@ -147,10 +147,11 @@ def target_signature(model_config) -> Any:
 
 
 AUTO = "auto"  # "tree": "auto" or "auto:SPEC": each step's spec chosen (heads/policy.py)
-# lookup nodes plain "auto" may graft. Measured with `treedraft bench` (SmolLM2, MT-bench,
-# 256 tokens, batch 1, T=0, a 2-core AVX2 EPYC): `lookup:4` 1.41x no-spec, `chain:1+lookup:4`
-# 1.41x, one head node 1.06x
-AUTO_LOOKUP = 4
+# lookup nodes plain "auto" may graft: its greedy chains graft 4 or 16 (heads.policy.grafts).
+# Paired at batch 1, T=0 on a 2-core EPYC (scripts/BENCHMARKS.md, "How many lookup nodes"):
+# Qwen2.5-Coder-0.5B on HumanEval, chain:2+lookup:16 3.2x no-spec, chain:3+lookup:8 2.8x;
+# SmolLM2-135M on MT-bench and HumanEval, lookup:4 to 16 within 1.33-1.49x
+AUTO_LOOKUP = 16
 
 
 def asks_auto(tree, sc: dict) -> bool:

@@ -939,20 +939,24 @@ def test_spec_decode_log_line_gains_the_histogram_in_treedraft_engines_only():
 
 def test_auto_arms_follow_the_spec_and_the_heads_depth():
     """`"tree": "auto"` plays fixed specs: chains of 1-4 head nodes (for greedy batches each
-    also with the spec's lookup nodes, plain chains drawn from q for sampling ones) and the
+    also with a quarter of the spec's lookup nodes and with all of them, plain chains drawn from
+    q for sampling ones) and the
     head's own kind of tree up to the spec's size (for sampling batches static trees, drawn
     from q: an EAGLE-2 tree's shape depends on its own draws); a Medusa head's chains stop at
     its number of heads."""
     from treedraft.heads.tree import parse_tree_spec
     from treedraft.plugin.proposer import AutoArms
 
-    auto = AutoArms(parse_tree_spec("dynamic:60,6,8+lookup:4"), None)
+    auto = AutoArms(parse_tree_spec("dynamic:60,6,8+lookup:16"), None)
     greedy, sampled = auto.bandit.arms[False], auto.bandit.arms[True]
-    assert greedy[1:3] == ["chain:1", "chain:1+lookup:4"]
-    assert greedy[-1] == "dynamic:60,6,8+lookup:4"
+    assert greedy[1:4] == ["chain:1", "chain:1+lookup:4", "chain:1+lookup:16"]
+    assert greedy[-1] == "dynamic:60,6,8+lookup:16"
+    assert auto.specs["chain:2+lookup:16"].max_nodes == 18
     assert sampled[1:5] == ["chain:1", "chain:2", "chain:3", "chain:4"]
     assert all(auto.specs[a].chain_nodes == k for k, a in enumerate(sampled[1:5], 1))
-    assert sampled[5:] == [f"static:{n}+lookup:4" for n in (8, 16, 32, 60)]
+    assert sampled[5:] == [f"static:{n}+lookup:16" for n in (8, 16, 32, 60)]
+    small = AutoArms(parse_tree_spec("dynamic:60,6,8+lookup:4"), None).bandit.arms[False]
+    assert small[1:4] == ["chain:1", "chain:1+lookup:4", "chain:2"]  # 4 lookup nodes: one graft
     assert all(auto.specs[a].head_spec.is_fixed for a in sampled[1:])
     assert auto.plan(1) is None  # the first arm measured: drafting nothing
     medusa = AutoArms(parse_tree_spec("static:32"), 2)

@@ -2,7 +2,7 @@
 
 import random
 
-from treedraft.heads.policy import NONE, ArmBandit, arms_for, context, reach
+from treedraft.heads.policy import NONE, ArmBandit, arms_for, context, grafts, neighbours
 
 
 def dynamic(n: int) -> str:
@@ -18,6 +18,33 @@ def test_arms_greedy_graft_lookup_sampled_draw_chains():
     sampled = arms_for(60, None, 4, sampled=True, tree_of=dynamic)
     assert sampled[:5] == [NONE, "chain:1", "chain:2", "chain:3", "chain:4"]  # q chains
     assert sampled[5:] == greedy[9:]
+
+
+def test_greedy_chains_graft_a_few_lookup_nodes_and_all_of_them():
+    """How many lookup nodes pay depends on the text (replies that copy their prompt's code
+    accept long lookup branches): from 8 lookup nodes on, each greedy chain comes plain, with a
+    quarter of them and with all; its neighbours are the chains one node longer and shorter
+    with the same graft, and itself with the next graft either way: a batch where chains of one
+    pay and grafts do not measures 3 neighbours, never the 16-node grafts."""
+    assert grafts(0) == () and grafts(4) == (4,) and grafts(16) == (4, 16)
+    arms = arms_for(60, None, 16, sampled=False, tree_of=dynamic)
+    assert arms[:7] == [NONE, "chain:1", "chain:1+lookup:4", "chain:1+lookup:16", "chain:2",
+                        "chain:2+lookup:4", "chain:2+lookup:16"]
+    assert arms[-1] == "dynamic:60,6,8+lookup:16"
+    near = {a: {arms[j] for j in js} for a, js in zip(arms, neighbours(arms), strict=True)}
+    assert near["chain:2+lookup:4"] == {"chain:1+lookup:4", "chain:3+lookup:4", "chain:2",
+                                        "chain:2+lookup:16"}
+    assert near["chain:1"] == {NONE, "chain:2", "chain:1+lookup:4"}
+    assert near[NONE] == {"chain:1", "chain:1+lookup:4", "chain:1+lookup:16"}
+    assert near["dynamic:8,6,8+lookup:16"] == {"chain:4", "chain:4+lookup:4", "chain:4+lookup:16",
+                                               "dynamic:16,6,8+lookup:16"}
+    rate = {NONE: 20.0, "chain:1": 24.0, "chain:2": 27.0, "chain:3": 28.0, "chain:4": 26.0}
+    b = ArmBandit({False: arms, True: [NONE]})
+    # a code reply: every graft of 16 nodes beats the plain chain by half, 4 nodes by a fifth
+    played = run(b, lambda a, t: rate.get(a.split("+")[0], 0) * (
+        1.5 if a.endswith("+lookup:16") else 1.2 if "+" in a else 1.0), 3000, noise=0.1)
+    assert b.best(context(1, 0)) == "chain:3+lookup:16"
+    assert played["chain:3+lookup:16"] > 0.6 * 3000, played
 
 
 def test_arms_respect_the_heads_depth_and_size():
@@ -102,7 +129,10 @@ def test_grafted_and_plain_chains_are_both_neighbours():
     nodes), an arm's neighbours are the next chain either way, grafted or not: the walk from
     drafting nothing reaches `chain:3` though every grafted chain loses to its plain one."""
     arms = arms_for(8, None, 4, sampled=False, tree_of=lambda n: f"static:{n}")
-    assert reach(arms) == 2 and reach(arms_for(8, None, 4, True, None)) == 1
+    near = neighbours(arms)
+    assert [arms[j] for j in near[arms.index("chain:2")]] == ["chain:1", "chain:2+lookup:4",
+                                                              "chain:3"]
+    assert neighbours(arms_for(8, None, 4, True, None)) == [[1], [0, 2], [1, 3], [2, 4], [3]]
     rate = {NONE: 20.0, "chain:1": 24.0, "chain:2": 28.0, "chain:3": 32.0, "chain:4": 30.0}
     b = ArmBandit({False: arms, True: [NONE]})
     played = run(b, lambda a, t: rate.get(a, rate.get(a.split("+")[0], 0) * 0.7), 2000,
@@ -221,3 +251,4 @@ def test_a_neighbour_whose_windows_were_cut_short_is_still_measured():
     played = run(b, lambda a, t: 40.0 if a == "chain:1" else 20.0, 400, noise=0.0)
     assert b.best((1, False)) in ("chain:1", "chain:2"), played
     assert played.get("chain:1", 0) > 100, played
+
