@@ -56,9 +56,10 @@ NONE = "none"  # the arm that drafts nothing
 def grafts(lookup: int) -> tuple[int, ...]:
     """The lookup nodes a greedy chain arm may graft where the spec has `lookup`: all of them
     and, from 8 up, a quarter (what the prompt's n-grams propose pays with the text: on
-    Qwen2.5-Coder's HumanEval replies, which copy the prompt's code, 16 lookup nodes after a chain
-    of 2 ran 3.2x no speculation where 4 ran about 2.4x; on SmolLM2's MT-bench replies 16 ran
-    2-3 % behind 4)."""
+    Qwen2.5-Coder's HumanEval replies, which copy the prompt's code, a chain of 2 with 16 lookup
+    nodes ran 3.2x no speculation and `auto` with 4-node grafts only 2.1x; on SmolLM2's replies
+    16 ran a few percent behind 4: scripts/BENCHMARKS.md, "How many lookup nodes a chain
+    grafts")."""
     return (lookup // 4, lookup) if lookup >= 8 else (lookup,) if lookup else ()
 
 
