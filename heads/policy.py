@@ -92,8 +92,8 @@ def neighbours(arms: Sequence[str]) -> list[list[int]]:
     chains = [a.partition("+") for a in arms if a.startswith("chain:")]
     depths = sorted({int(head[6:]) for head, _, _ in chains})
     sizes = sorted({int(graft.rpartition(":")[2]) for _, _, graft in chains if graft})
-    where = []  # (head position, graft position or None: any)
-    for i, a in enumerate(arms):
+    where, trees = [], 0  # (head position, graft position or None: any); trees so far
+    for a in arms:
         head, _, graft = a.partition("+")
         if a == NONE:
             where.append((0, None))
@@ -101,8 +101,8 @@ def neighbours(arms: Sequence[str]) -> list[list[int]]:
             where.append((1 + depths.index(int(head[6:])),
                           1 + sizes.index(int(graft.rpartition(":")[2])) if graft else 0))
         else:  # a tree, after the chains in size order
-            where.append((len(depths) + 1 + sum(not b.startswith("chain:") and b != NONE
-                                                for b in arms[:i]), None))
+            trees += 1
+            where.append((len(depths) + trees, None))
 
     def near(a: tuple, b: tuple) -> bool:
         if abs(a[0] - b[0]) == 1:
