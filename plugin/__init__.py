@@ -10,7 +10,8 @@ Modules, one per vLLM subsystem touched (every patch goes through ``patching.app
 - ``config``: ``--speculative-config`` naming a treedraft head → custom_class proposer (frontend).
 - ``proposer``: ``TreeDraftProposer``, the head inside the V1 runner (worker).
 - ``runner``: hidden states for the proposer (worker, installed by the proposer).
-- ``cpu_gemm``: the head's linears on vLLM's CPU GEMM kernels (worker; fp32, and bf16/fp16 where the CPU has it).
+- ``cpu_kernels``: the head's linears and norms on vLLM's CPU kernels (worker; fp32, and bf16/fp16
+  where the CPU has it).
 - ``sampler``: the CPU expand-kernel fix (every CPU process); tree verification (worker).
 - ``tree_step``, ``attention_cpu``, ``kv``: one tree verification step: positions and masks,
   tree attention on the CPU backend, accepted-path KV compaction (worker, tree mode).

@@ -287,9 +287,10 @@ class TreeDraftProposer:
         embed, lm_head = target_weights(target_model, head.config.target.vocab_size)
         head = head.to(device=embed.device, dtype=embed.dtype).eval()
         head.bind_target(embed, lm_head)  # checks both are [vocab_size, hidden_size]
-        from .cpu_gemm import use_vllm_gemm
+        from .cpu_kernels import use_vllm_gemm, use_vllm_rms_norm
 
         use_vllm_gemm(head)  # CPU: vLLM's GEMM kernels (oneDNN/AMX) for the head's linears
+        use_vllm_rms_norm(head)  # and its rms_norm kernel for the head's norms
         self.head = head
         self._where = None  # `features` reads the loaded head's layers
         self.rates = head.tree_rates()

@@ -150,6 +150,62 @@ def test_vllm_rejection_sampler_with_our_recovered_tokens_takes_a_step_without_d
 
 
 # ----------------------------------------------------------------------------- tree attention
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_norms_run_on_vllms_cpu_rms_norm(dtype):
+    """The head's RMSNorms on vLLM's CPU rms_norm: float32 routed on any CPU, bf16 where the CPU
+    has it in hardware; the same values as the torch twin up to rounding, for 2-D and 3-D
+    inputs, non-contiguous ones (Qwen3's per-head q/k norms) and a caller's other dtype (the
+    twin runs); the head drafts the same tokens."""
+    _load_vllm_ops()
+
+    from treedraft.heads.common import TargetSignature
+    from treedraft.heads.eagle import EagleConfig, EagleHead, RMSNorm
+    from treedraft.heads.machine import CpuInfo
+    from treedraft.heads.tree import draft_tree, parse_tree_spec
+    from treedraft.plugin.cpu_kernels import use_vllm_rms_norm
+
+    fast, avx2 = (CpuInfo("test CPU", frozenset(f)) for f in
+                  ({"avx2", "avx512_f", "avx512_bf16"}, {"avx2"}))
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 0, "atol": 0.07}
+    torch.manual_seed(0)
+    norm = RMSNorm(64, 1e-5).to(dtype)
+    torch.nn.init.normal_(norm.weight, mean=1.0, std=0.2)
+    twin = RMSNorm(64, 1e-5).to(dtype)
+    twin.load_state_dict(norm.state_dict())
+    assert use_vllm_rms_norm(norm, avx2) == (1 if dtype == torch.float32 else 0)
+    assert use_vllm_rms_norm(norm, fast) == 1
+    assert "forward" in vars(norm) and "forward" not in vars(twin)
+    x = torch.randn(2, 5, 3 * 64, dtype=dtype).view(2, 5, 3, 64)[:, :, 1]  # strided rows
+    for inp in (x, x[0].contiguous(), torch.randn(7, 64, dtype=dtype)):
+        got = norm(inp)
+        assert got.shape == inp.shape and got.dtype == dtype
+        torch.testing.assert_close(got, twin(inp), **tol)
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    torch.testing.assert_close(norm(x.to(other)), twin(x.to(other)), rtol=0, atol=0)
+
+    H, V = 128, 512
+    sig = TargetSignature("LlamaForCausalLM", H, V, 4, "abc")
+    cfg = EagleConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=256, target=sig, target_layer_ids=(1, 4),
+                      draft_vocab_size=256)
+    heads = [EagleHead(cfg).eval() for _ in range(2)]
+    for p in heads[0].parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    heads[1].load_state_dict(heads[0].state_dict())
+    embed, lm = torch.randn(V, H) * 0.05, torch.randn(V, H) * 0.05
+    for head in heads:
+        head.to(dtype).bind_target(embed.to(dtype), lm.to(dtype))
+    norms = sum(isinstance(m, RMSNorm) for m in heads[1].modules())
+    assert use_vllm_rms_norm(heads[1], fast) == norms == 5  # embed, feature, attn, mlp, final
+    hidden, tokens = torch.randn(6, 2 * H, dtype=dtype), torch.randint(0, V, (6,))
+    drafted = []
+    for head in heads:
+        s = head.draft_session()
+        s.commit(hidden, tokens)
+        drafted.append(draft_tree(int(tokens[-1]), s, parse_tree_spec("chain:3")).tokens.tolist())
+    assert drafted[1] == drafted[0]
+
+
 @pytest.mark.parametrize("fast_bf16", [True, False], ids=["amx-cpu", "avx2-cpu"])
 def test_head_linears_run_on_vllms_cpu_gemm(fast_bf16):
     """Both branches on any machine: float32 heads always run on vLLM's dispatch (oneDNN), a
@@ -162,7 +218,7 @@ def test_head_linears_run_on_vllms_cpu_gemm(fast_bf16):
     from treedraft.heads.eagle import EagleConfig, EagleHead
     from treedraft.heads.machine import CpuInfo
     from treedraft.heads.tree import draft_tree, parse_tree_spec
-    from treedraft.plugin.cpu_gemm import use_vllm_gemm
+    from treedraft.plugin.cpu_kernels import use_vllm_gemm
 
     flags = {"avx2", "avx512_f", "amx_bf16"} if fast_bf16 else {"avx2"}
     machine = CpuInfo("test CPU", frozenset(flags))
