@@ -64,6 +64,15 @@ def use_vllm_gemm(head: nn.Module, info: CpuInfo | None = None) -> int:
     return n
 
 
+def _has_op(name: str) -> bool:
+    """vLLM's C++ op `torch.ops._C.<name>` is loaded (vLLM loads its CPU build's ops at start)."""
+    try:
+        getattr(torch.ops._C, name)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
 def _rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     if x.dtype != norm.weight.dtype:  # the torch twin casts; vLLM's kernel takes one dtype
         return RMSNorm.forward(norm, x)
@@ -76,7 +85,7 @@ def _rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
 def use_vllm_rms_norm(head: nn.Module, info: CpuInfo | None = None) -> int:
     """Route the head's `RMSNorm`s of the dtypes `use_vllm_gemm` routes through vLLM's CPU
     `rms_norm` kernel; returns how many."""
-    if not current_platform.is_cpu():
+    if not current_platform.is_cpu() or not _has_op("rms_norm"):
         return 0
     dtypes = _routed_dtypes(info)
     n = 0
