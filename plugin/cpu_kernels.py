@@ -11,8 +11,9 @@ anything else that reads them.
 
 `use_vllm_rms_norm` runs the head's `RMSNorm`s (heads/eagle.py, their torch twin) as one call
 of vLLM's CPU `rms_norm` each, where torch takes about eight ops (2.5 us against 13 us per call
-at 3 rows x 576 in bf16; the shipped head runs 15 norms in a chain-of-3 step: about 8 % of its
-drafting on a 2-core AMD EPYC).
+at 3 rows x 576 in bf16; the shipped head runs 15 norms in a chain-of-3 step: its drafting
+took 3.26 ms a step against 3.49 on a 2-core AMD EPYC, scripts/BENCHMARKS.md, "Where a chain
+step's drafting goes").
 
 Routed: float32 heads on any CPU, bf16/fp16 heads where the CPU computes bf16 in hardware
 (AMX/AVX512-BF16). A bf16 head on an AVX2-only CPU keeps torch's kernels: vLLM's oneDNN bf16
