@@ -149,7 +149,20 @@ def test_vllm_rejection_sampler_with_our_recovered_tokens_takes_a_step_without_d
     assert out[:, 0].tolist() == [5, 6, 7]
 
 
-# ----------------------------------------------------------------------------- tree attention
+# ---------------------------------------------------------------- the head on vLLM's CPU kernels
+def _tiny_eagle_config():
+    """(config, hidden size, vocab size) of a tiny EAGLE head with a draft vocabulary."""
+    from treedraft.heads.common import TargetSignature
+    from treedraft.heads.eagle import EagleConfig
+
+    H, V = 128, 512
+    sig = TargetSignature("LlamaForCausalLM", H, V, 4, "abc")
+    cfg = EagleConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=256, target=sig, target_layer_ids=(1, 4),
+                      draft_vocab_size=256)
+    return cfg, H, V
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_head_norms_run_on_vllms_cpu_rms_norm(dtype):
     """The head's RMSNorms on vLLM's CPU rms_norm: float32 routed on any CPU, bf16 where the CPU
@@ -158,8 +171,7 @@ def test_head_norms_run_on_vllms_cpu_rms_norm(dtype):
     twin runs); the head drafts the same tokens."""
     _load_vllm_ops()
 
-    from treedraft.heads.common import TargetSignature
-    from treedraft.heads.eagle import EagleConfig, EagleHead, RMSNorm
+    from treedraft.heads.eagle import EagleHead, RMSNorm
     from treedraft.heads.machine import CpuInfo
     from treedraft.heads.tree import draft_tree, parse_tree_spec
     from treedraft.plugin.cpu_kernels import use_vllm_rms_norm
@@ -183,11 +195,7 @@ def test_head_norms_run_on_vllms_cpu_rms_norm(dtype):
     other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
     torch.testing.assert_close(norm(x.to(other)), twin(x.to(other)), rtol=0, atol=0)
 
-    H, V = 128, 512
-    sig = TargetSignature("LlamaForCausalLM", H, V, 4, "abc")
-    cfg = EagleConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=256, target=sig, target_layer_ids=(1, 4),
-                      draft_vocab_size=256)
+    cfg, H, V = _tiny_eagle_config()
     heads = [EagleHead(cfg).eval() for _ in range(2)]
     for p in heads[0].parameters():
         torch.nn.init.normal_(p, std=0.05)
@@ -214,8 +222,7 @@ def test_head_linears_run_on_vllms_cpu_gemm(fast_bf16):
     are the same either way."""
     _load_vllm_ops()
 
-    from treedraft.heads.common import TargetSignature
-    from treedraft.heads.eagle import EagleConfig, EagleHead
+    from treedraft.heads.eagle import EagleHead
     from treedraft.heads.machine import CpuInfo
     from treedraft.heads.tree import draft_tree, parse_tree_spec
     from treedraft.plugin.cpu_kernels import use_vllm_gemm
@@ -223,12 +230,8 @@ def test_head_linears_run_on_vllms_cpu_gemm(fast_bf16):
     flags = {"avx2", "avx512_f", "amx_bf16"} if fast_bf16 else {"avx2"}
     machine = CpuInfo("test CPU", frozenset(flags))
 
-    H, V = 128, 512
-    sig = TargetSignature("LlamaForCausalLM", H, V, 4, "abc")
     torch.manual_seed(0)
-    cfg = EagleConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=256, target=sig, target_layer_ids=(1, 4),
-                      draft_vocab_size=256)
+    cfg, H, V = _tiny_eagle_config()
     plain = EagleHead(cfg).eval()
     for p in plain.parameters():
         torch.nn.init.normal_(p, std=0.05)
@@ -269,6 +272,7 @@ def test_head_linears_run_on_vllms_cpu_gemm(fast_bf16):
     assert logp[0].argmax() == logp[1].argmax()
 
 
+# ----------------------------------------------------------------------------- tree attention
 # The CPU kernel's cache layouts: `vec` everywhere, `amx` (what vLLM picks for bf16 on AMX CPUs)
 # where the CPU has AMX; the AMX kernel reads bf16 only.
 ISAS = [pytest.param("vec", torch.float32, id="vec"),
