@@ -27,6 +27,16 @@ machine's drift nor easier text favours one of them. Two engines of the same con
 Xeon they agreed within 3 % this way where whole passes as turns had them 16 % apart
 (scripts/BENCHMARKS.md).
 
+`--ops PHASE` runs each engine's calls of one step phase (`OP_PHASES`: drafting, verify, forward,
+prepare) under torch's profiler and prints, per engine, the torch ops those calls ran: calls and
+self CPU milliseconds per step, most expensive first: what a phase's milliseconds (`--profile`)
+are made of, op by op. A sampling profiler misplaces time here: py-spy, which stops the process
+at every sample, charged 15-27 % of drafting to vLLM's `rms_norm` in two runs, whose calls take
+1-7 us each under torch's profiler. 100 calls per engine are profiled, after 20 for warm-up;
+the profiler slows the phase it watches and reading each call's profile costs tens of
+milliseconds, so compare ops within a table, and take speeds and the phase's cost from a run
+without `--ops`.
+
 Prints one line per prompt group (with `--lockstep`, per pass) and, per configuration, total
 seconds and speed against the first configuration (ratio of totals, median of per-group or
 per-slice ratios, the last pass alone); writes them as JSON to `--out`. Measures speed only:
@@ -124,6 +134,51 @@ def auto_tally(llm) -> str | None:
     return auto.tally() if auto is not None else None
 
 
+# --ops PHASE: the runner method whose calls are profiled (plugin/profile.py's phase names)
+OP_PHASES = {"drafting": "propose_draft_token_ids", "verify": "_sample",
+             "forward": "_model_forward", "prepare": "_prepare_inputs"}
+
+
+class OpTally:
+    """Per torch op, calls and self CPU time of a function's calls run under torch's profiler
+    (`wrap`), summed over the `limit` calls after the first `skip` (warm-up); reading a call's
+    profile costs tens of milliseconds, so the others run unprofiled."""
+
+    def __init__(self, skip: int = 0, limit: int = 100) -> None:
+        self.skip, self.limit, self.seen, self.calls = skip, limit, 0, 0
+        self.ops: dict[str, list[float]] = {}  # op -> [calls, self microseconds]
+
+    def wrap(self, fn):
+        from torch.profiler import ProfilerActivity, profile
+
+        def profiled(*args, **kwargs):
+            self.seen += 1
+            if self.seen <= self.skip or self.calls >= self.limit:
+                return fn(*args, **kwargs)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                out = fn(*args, **kwargs)
+            self.calls += 1
+            for e in prof.key_averages():
+                op = self.ops.setdefault(e.key, [0, 0.0])
+                op[0] += e.count
+                op[1] += e.self_cpu_time_total
+            return out
+
+        return profiled
+
+    def rows(self, top: int = 20) -> list[tuple[str, float, float]]:
+        """(op, calls per call of the function, self ms per call), most self time first."""
+        n = max(self.calls, 1)
+        ranked = sorted(self.ops.items(), key=lambda kv: -kv[1][1])[:top]
+        return [(name, c / n, us / 1e3 / n) for name, (c, us) in ranked]
+
+    def summary(self) -> str:
+        n = max(self.calls, 1)
+        ops = sum(c for c, _ in self.ops.values()) / n
+        ms = sum(us for _, us in self.ops.values()) / 1e3 / n
+        return f"{self.calls} calls profiled: {ops:.0f} ops, {ms:.2f} ms of ops' self time per call"
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", action="append", required=True,
@@ -152,6 +207,10 @@ def main(argv=None) -> None:
     p.add_argument("--profile", action="store_true",
                    help="also time each engine's step phases (plugin/profile.py) and print "
                         "milliseconds per step by phase and engine")
+    p.add_argument("--ops", choices=sorted(OP_PHASES), default=None,
+                   help="profile 100 of every engine's calls of this step phase (after 20 "
+                        "warm-up calls) with torch's profiler and print the torch ops they ran, "
+                        "per step (module doc); the run's speeds then mean nothing")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--block-size", type=int, default=None,
                    help="every engine's KV block size (default: vLLM's choice; on CPU 128, and "
@@ -216,6 +275,16 @@ def main(argv=None) -> None:
                 p.error("--profile needs the engine's runner in this process; this vLLM lays "
                         "its engine out otherwise")
             profiles[c] = instrument(runner, folder / f"engine-{i}.json")
+    ops = {}
+    if args.ops:
+        for c in engines:
+            runner = runner_of(engines[c])
+            if runner is None:
+                p.error("--ops needs the engine's runner in this process; this vLLM lays its "
+                        "engine out otherwise")
+            name = OP_PHASES[args.ops]
+            ops[c] = OpTally(skip=20)
+            setattr(runner, name, ops[c].wrap(getattr(runner, name)))
     from vllm.sampling_params import RequestOutputKind
 
     # --lockstep counts each step's new tokens (DELTA)
@@ -271,10 +340,16 @@ def main(argv=None) -> None:
         for c, ms in phases.items():
             steps = int(profiles[c].totals["steps"])
             print(f"{c} ({steps} steps) | " + " | ".join(f"{ms.get(k, 0.0):.2f}" for k in cols))
+    for c, tally in ops.items():
+        print(f"{args.ops} ops of {c} ({tally.summary()}) | calls per step | self ms per step")
+        for name, calls, ms in tally.rows():
+            print(f"  {name} | {calls:.1f} | {ms:.3f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"machine": describe(), "args": vars(args),
                                           "seconds": times, "summary": summary,
-                                          "auto": tallies, "ms_per_step": phases}, indent=1))
+                                          "auto": tallies, "ms_per_step": phases,
+                                          "ops": {c: t.rows(top=50) for c, t in ops.items()}},
+                                         indent=1))
     print(f"wrote {args.out}")
 
 

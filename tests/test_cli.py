@@ -229,6 +229,39 @@ def test_interleave_summary_pairs_prompts_against_the_first_config():
     with pytest.raises(ValueError, match="fast: 1 generations timed, the baseline has 2"):
         summarize({"base": [1.0, 1.0], "fast": [1.0]}, per_pass=2)
 
+def test_interleave_op_tally_counts_a_phases_torch_ops_per_call():
+    """scripts/interleave.py --ops: the ops a wrapped function ran under torch's profiler, per
+    call after the warm-up calls, most self time first; what it returns is passed through."""
+    import torch
+
+    from treedraft.scripts.interleave import OP_PHASES, OpTally
+
+    assert set(OP_PHASES) == {"drafting", "verify", "forward", "prepare"}
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    sizes = []
+
+    def phase(n: int) -> torch.Tensor:
+        sizes.append(n)
+        for _ in range(n):
+            x = torch.mm(a, b)
+        return torch.add(x, 1.0)
+
+    tally = OpTally(skip=1, limit=2)
+    wrapped = tally.wrap(phase)
+    assert wrapped(5).shape == (256, 256)  # warm-up: run, not profiled
+    for _ in range(2):
+        assert torch.equal(wrapped(3), torch.add(torch.mm(a, b), 1.0))
+    wrapped(7)  # past the limit: run, not profiled
+    assert sizes == [5, 3, 3, 7] and tally.calls == 2
+    rows = {name: (calls, ms) for name, calls, ms in tally.rows()}
+    assert rows["aten::mm"][0] == 3.0 and rows["aten::add"][0] == 1.0  # per call, warm-up left out
+    assert all(ms >= 0 for _, ms in rows.values()) and rows["aten::mm"][1] > 0
+    ranked = [ms for _, _, ms in tally.rows()]
+    assert ranked == sorted(ranked, reverse=True)
+    assert tally.summary().startswith("2 calls profiled: ")
+    assert len(tally.rows(top=1)) == 1
+
+
 def test_interleave_lockstep_slices_equal_work_in_turns():
     """scripts/interleave.py --lockstep: in every slice each engine steps until it has made the
     slice's share of tokens (or ends), the order rotating by slice; engines given the same work
