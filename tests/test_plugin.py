@@ -127,6 +127,53 @@ def test_vllm_rejection_sampler_keeps_the_target_distribution_with_our_recovered
     assert seeded[0] == seeded[1]
 
 
+def test_vllm_cpu_sampler_draws_the_filtered_distribution_in_treedraft_engines_only():
+    """vLLM's CPU `TopKTopPSampler` (plain sampling, bonus tokens) with the plugin's inverse-CDF
+    draw inside a treedraft engine's sampling: 20000 rows under top-p 0.8 are distributed as
+    vLLM's own filtered softmax (chi-square), never outside the kept tokens; a seeded row
+    repeats itself; processed logprobs are vLLM's; outside `treedraft_sampling()` it is vLLM's
+    own Gumbel sampler, token for token."""
+    from scipy.stats import chisquare
+    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler, apply_top_k_top_p
+
+    from treedraft.plugin import patching, sampler
+
+    patching.apply(sampler.CPU_PATCHES)
+    target = "vllm.v1.sample.ops.topk_topp_sampler:TopKTopPSampler.forward_cpu"
+    B, V = 20000, 40
+    g = torch.Generator().manual_seed(0)
+    row = torch.randn(V, generator=g) * 1.5
+    top_p = torch.full((B,), 0.8)
+    want = apply_top_k_top_p(row[None].clone(), None, top_p[:1]).softmax(-1)[0].double()
+    assert 0 < int((want > 0).sum()) < V  # top-p dropped some tokens
+    s = TopKTopPSampler(logprobs_mode="processed_logprobs")
+    assert s.forward.__func__ is TopKTopPSampler.forward_cpu  # bound at init: the patched one
+
+    def draw(generators=None, logits=None):
+        logits = row.expand(B, V).clone() if logits is None else logits
+        return s.forward(logits, generators or {}, None, top_p[: len(logits)])
+
+    torch.manual_seed(1234)
+    with sampler.treedraft_sampling():
+        tokens, logprobs = draw()
+    counts = torch.bincount(tokens, minlength=V).double()
+    assert counts[want == 0].sum() == 0  # nothing outside top-p
+    kept = want > 0
+    expected = want[kept] / want[kept].sum() * B
+    assert chisquare(counts[kept].numpy(), expected.numpy()).pvalue > 1e-3
+    assert torch.allclose(logprobs[0].exp(), want.float(), atol=1e-6)
+    with sampler.treedraft_sampling():  # a seeded request draws from its own generator
+        seeded = [draw({7: torch.Generator().manual_seed(11)})[0][7].item() for _ in range(2)]
+    assert seeded[0] == seeded[1]
+    # another engine's sampling: vLLM's own kernel, the same tokens as the unpatched method
+    small = row.expand(64, V).clone()
+    torch.manual_seed(5)
+    theirs = draw(logits=small.clone())[0]
+    torch.manual_seed(5)
+    stock = patching.original(target)(s, small.clone(), {}, None, top_p[:64])[0]
+    assert torch.equal(theirs, stock)
+
+
 def test_vllm_rejection_sampler_with_our_recovered_tokens_takes_a_step_without_drafts():
     """A sampled step in which no request has a draft (vLLM's ngram found no match for any):
     vLLM still calls `sample_recovered_tokens` with zero positions; every request gets its
