@@ -229,6 +229,7 @@ def test_interleave_summary_pairs_prompts_against_the_first_config():
     with pytest.raises(ValueError, match="fast: 1 generations timed, the baseline has 2"):
         summarize({"base": [1.0, 1.0], "fast": [1.0]}, per_pass=2)
 
+
 def test_interleave_op_tally_counts_a_phases_torch_ops_per_call():
     """scripts/interleave.py --ops: the ops a wrapped function ran under torch's profiler, per
     call after the warm-up calls, most self time first; what it returns is passed through."""
