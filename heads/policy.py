@@ -22,8 +22,9 @@ that arm's) and it ran no prefill chunk (`observe`'s `usable`). Along the size o
 is taken to rise to the best arm and fall after it (more drafted nodes accept more tokens and
 cost more rows; a *unimodal* bandit, as in rate adaptation for radio links), so the policy
 plays and explores only the best arm and its *neighbours* (`neighbours`: the next arm either way
-along the head's nodes, and for a chain itself with the next graft of lookup nodes either way);
-arms further away wait until the best
+along the head's nodes, for a chain itself with the next graft of lookup nodes either way, and
+from every arm drafting nothing, which gives exactly one token a request at the lowest cost and
+wins where rows are dear however the chains compare); arms further away wait until the best
 moves next to them. At each window's end:
 
 1. a context with nothing measured plays the best arm of the nearest batch context of its
@@ -88,7 +89,10 @@ def neighbours(arms: Sequence[str]) -> list[list[int]]:
     chains of 1..4, then the trees by size), grafted lookup nodes the other (plain, then each
     graft size); a chain's neighbours are the chains one node shorter and longer with the same
     graft and itself with the next graft either way. Drafting nothing and the trees take any
-    graft: their neighbours are the next chain or tree along with every graft."""
+    graft: their neighbours are the next chain or tree along with every graft. Drafting nothing
+    is also a neighbour of every arm: it wins wherever rows are dear (a sampled batch of 8 on
+    a CPU), however the chains compare among themselves, so the walk must not need a falling
+    line of chains to reach it."""
     chains = [a.partition("+") for a in arms if a.startswith("chain:")]
     depths = sorted({int(head[6:]) for head, _, _ in chains})
     sizes = sorted({int(graft.rpartition(":")[2]) for _, _, graft in chains if graft})
@@ -109,7 +113,11 @@ def neighbours(arms: Sequence[str]) -> list[list[int]]:
             return a[1] is None or b[1] is None or a[1] == b[1]
         return a[0] == b[0] and None not in (a[1], b[1]) and abs(a[1] - b[1]) == 1
 
-    return [[j for j, b in enumerate(where) if near(a, b)] for a in where]
+    out = [[j for j, b in enumerate(where) if near(a, b)] for a in where]
+    if NONE in arms:  # drafting nothing is a neighbour of every arm
+        k = arms.index(NONE)
+        out = [js if i == k or k in js else sorted([k, *js]) for i, js in enumerate(out)]
+    return out
 
 
 def context(batch: int, sampled: int) -> tuple[int, bool]:

@@ -25,7 +25,8 @@ def test_greedy_chains_graft_a_few_lookup_nodes_and_all_of_them():
     accept long lookup branches): from 8 lookup nodes on, each greedy chain comes plain, with a
     quarter of them and with all; its neighbours are the chains one node longer and shorter
     with the same graft, and itself with the next graft either way: a batch where chains of one
-    pay and grafts do not measures 3 neighbours, never the 16-node grafts."""
+    pay and grafts do not measures 3 neighbours, never the 16-node grafts. Drafting nothing is a
+    neighbour of every arm."""
     assert grafts(0) == () and grafts(4) == (4,) and grafts(16) == (4, 16)
     arms = arms_for(60, None, 16, sampled=False, tree_of=dynamic)
     assert arms[:7] == [NONE, "chain:1", "chain:1+lookup:4", "chain:1+lookup:16", "chain:2",
@@ -33,11 +34,11 @@ def test_greedy_chains_graft_a_few_lookup_nodes_and_all_of_them():
     assert arms[-1] == "dynamic:60,6,8+lookup:16"
     near = {a: {arms[j] for j in js} for a, js in zip(arms, neighbours(arms), strict=True)}
     assert near["chain:2+lookup:4"] == {"chain:1+lookup:4", "chain:3+lookup:4", "chain:2",
-                                        "chain:2+lookup:16"}
+                                        "chain:2+lookup:16", NONE}
     assert near["chain:1"] == {NONE, "chain:2", "chain:1+lookup:4"}
     assert near[NONE] == {"chain:1", "chain:1+lookup:4", "chain:1+lookup:16"}
     assert near["dynamic:8,6,8+lookup:16"] == {"chain:4", "chain:4+lookup:4", "chain:4+lookup:16",
-                                               "dynamic:16,6,8+lookup:16"}
+                                               "dynamic:16,6,8+lookup:16", NONE}
     rate = {NONE: 20.0, "chain:1": 24.0, "chain:2": 27.0, "chain:3": 28.0, "chain:4": 26.0}
     b = ArmBandit({False: arms, True: [NONE]})
     # a code reply: every graft of 16 nodes beats the plain chain by half, 4 nodes by a fifth
@@ -130,9 +131,10 @@ def test_grafted_and_plain_chains_are_both_neighbours():
     drafting nothing reaches `chain:3` though every grafted chain loses to its plain one."""
     arms = arms_for(8, None, 4, sampled=False, tree_of=lambda n: f"static:{n}")
     near = neighbours(arms)
-    assert [arms[j] for j in near[arms.index("chain:2")]] == ["chain:1", "chain:2+lookup:4",
+    assert [arms[j] for j in near[arms.index("chain:2")]] == [NONE, "chain:1", "chain:2+lookup:4",
                                                               "chain:3"]
-    assert neighbours(arms_for(8, None, 4, True, None)) == [[1], [0, 2], [1, 3], [2, 4], [3]]
+    assert neighbours(arms_for(8, None, 4, True, None)) == [[1], [0, 2], [0, 1, 3], [0, 2, 4],
+                                                            [0, 3]]
     rate = {NONE: 20.0, "chain:1": 24.0, "chain:2": 28.0, "chain:3": 32.0, "chain:4": 30.0}
     b = ArmBandit({False: arms, True: [NONE]})
     played = run(b, lambda a, t: rate.get(a, rate.get(a.split("+")[0], 0) * 0.7), 2000,
@@ -252,3 +254,23 @@ def test_a_neighbour_whose_windows_were_cut_short_is_still_measured():
     assert b.best((1, False)) in ("chain:1", "chain:2"), played
     assert played.get("chain:1", 0) > 100, played
 
+
+
+def test_drafting_nothing_is_reached_from_any_arm():
+    """Drafting nothing is a neighbour of every arm: a sampled batch of 8 starts at the chain
+    of 3 that won at batch 16, where every chain loses to drafting nothing but rates rise along
+    the chains (not the unimodal shape the walk assumes), and still runs mostly nothing."""
+    arms = arms_for(8, None, 0, sampled=True)
+    b = ArmBandit({False: [NONE], True: arms})
+    per_step = {NONE: 1.0, "chain:1": 1.5, "chain:2": 2.0, "chain:3": 2.5, "chain:4": 2.2}
+    for _ in range(400):  # batch 16: tokens per step rise to chain:3, at one cost
+        arm = b.plan(16, sampled=16)
+        b.observe(per_step[arm] * 16, 0.05, requests=16)
+    assert b.best((16, True)) == "chain:3"
+    true = {NONE: 36.0, "chain:1": 22.0, "chain:2": 24.0, "chain:3": 25.0, "chain:4": 23.0}
+    played = {}
+    for _ in range(1000):
+        arm = b.plan(8, sampled=8)
+        played[arm] = played.get(arm, 0) + 1
+        b.observe(true[arm] * 8 * 0.05, 0.05, requests=8)
+    assert b.best((8, True)) == NONE and played[NONE] > 0.8 * 1000, played
