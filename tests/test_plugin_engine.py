@@ -472,11 +472,13 @@ def test_auto_under_a_queue_of_greedy_and_sampled_requests(runs, prompts, target
     # a queue of 3: the job took longer than any one request, less than all of them in a row
     assert max(res["request_seconds"]) < res["wave_seconds"][0] < sum(res["request_seconds"])
     # the queue's stretch at full batch (treedraft bench's rate): shorter than the job, every
-    # request's share of it at most its tokens, the first requests' whole
+    # request's share of it at most its tokens, the first request's whole but for the moments
+    # it took to submit the next two (the stretch starts at the third submission: on a loaded
+    # 2-core machine a few ms, 0.1 % of the request's life in one CI run)
     (seconds,), share = res["full_seconds"], res["full_tokens"]
     assert 0 < seconds < res["wave_seconds"][0] and len(share) == len(prompts)
     assert all(0 <= s <= len(t) + 1e-9 for s, t in zip(share, res["tokens"], strict=True))
-    assert share[0] == pytest.approx(len(res["tokens"][0]), rel=1e-3)
+    assert share[0] == pytest.approx(len(res["tokens"][0]), rel=0.02)
     assert res["spec"]["drafts"] > 0
 
 
