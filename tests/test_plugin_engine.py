@@ -447,20 +447,20 @@ def test_greedy_outputs_identical_to_no_speculation(runs, name, prompts, target)
                           log)
         assert said, log[-3000:]
         measured = 0  # the most arms one line ranked
+        first = {}  # per sampling class, its first line's (rates, steps)
         for line in said:  # each line's best is the fastest arm it measured in that context
             rates = dict(re.findall(r"(\S+) ([\d.]+)(?:,|$)", line[3]))
+            steps = dict(re.findall(r"(\S+) (\d+)(?:,|$)", line[4]))
             assert line[2] in rates, line
             assert float(rates[line[2]]) == max(map(float, rates.values())), line
-            measured = max(measured, len(rates))
-        assert measured >= 2, said  # it measured more than drafting nothing somewhere
-        first = {}  # per sampling class, its first line: the first arm measured is drafting
-        for line in said:  # nothing (a class's first context starts there; later ones start
-            first.setdefault(line[1], line)  # at the best of the nearest measured context)
-            steps = dict(re.findall(r"(\S+) (\d+)(?:,|$)", line[4]))
             assert steps and all(int(n) > 0 for n in steps.values()), line
-        for line in first.values():
-            assert list(dict(re.findall(r"(\S+) ([\d.]+)(?:,|$)", line[3]))) == ["none"], line
-            assert "none" in dict(re.findall(r"(\S+) (\d+)(?:,|$)", line[4])), line
+            measured = max(measured, len(rates))
+            first.setdefault(line[1], (rates, steps))
+        assert measured >= 2, said  # it measured more than drafting nothing somewhere
+        # a class's first context starts at drafting nothing (later ones start at the best of
+        # the nearest measured context): its first line has measured that arm alone
+        for rates, steps in first.values():
+            assert list(rates) == ["none"] and "none" in steps, first
 
 
 def test_auto_under_a_queue_of_greedy_and_sampled_requests(runs, prompts, target):

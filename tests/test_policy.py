@@ -255,7 +255,6 @@ def test_a_neighbour_whose_windows_were_cut_short_is_still_measured():
     assert played.get("chain:1", 0) > 100, played
 
 
-
 def test_drafting_nothing_is_reached_from_any_arm():
     """Drafting nothing is a neighbour of every arm: a sampled batch of 8 starts at the chain
     of 3 that won at batch 16, where every chain loses to drafting nothing but rates rise along
