@@ -204,16 +204,18 @@ GROUPED_MAX_QUERIES = 16
 
 
 def pooled_attention(q: Tensor, k: Tensor, v: Tensor, segs: Sequence[Segment]) -> Tensor | None:
-    """The attention of every segment of a packed row in ONE batched call: q [1, nh, N, D],
-    this row's k, v [1, nkv, N, D] (written into each segment's row of the sessions' `KVPool`
-    first), grouped query heads as in `grouped_attention`. Queries are laid out by pool row
-    ([R, Tmax] padded), keys read straight from a view of the pool's first R rows and Smax slots
-    (no copy), each row under its causal mask (query t of a segment at `at` sees slots
-    0..at+t) or the segment's own mask; padded queries and rows without a segment compute
-    something finite and are dropped. None where it does not apply: one segment, a segment
-    with more than GROUPED_MAX_QUERIES queries (a prompt's commit), caches of different pools,
-    or rows so sparse (a few sessions of many) or one context so much longer than the others
-    that reading every row that far would cost more than one call per segment."""
+    """The attention of the given segments of a packed row in ONE batched call: q [1, nh, N, D],
+    this row's k, v [1, nkv, N, D] (the segments' tokens written into each segment's row of the
+    sessions' `KVPool` first), grouped query heads as in `grouped_attention`; returns
+    [1, nh, n, D] for the segments' n tokens, in segment order (all N when the segments cover
+    the row). Queries are laid out by pool row ([R, Tmax] padded), keys read straight from a
+    view of the pool's first R rows and Smax slots (no copy), each row under its causal mask
+    (query t of a segment at `at` sees slots 0..at+t) or the segment's own mask; padded queries
+    and rows without a segment compute something finite and are dropped. None where it does not
+    apply: one segment, a segment with more than GROUPED_MAX_QUERIES queries (a prompt's commit:
+    `DecoderLayer.attention` pools the others), caches of different pools, or rows so sparse (a
+    few sessions of many) or one context so much longer than the others that reading every row
+    that far would cost more than one call per segment."""
     if len(segs) < 2:
         return None
     pool = segs[0].cache.pool
@@ -229,11 +231,14 @@ def pooled_attention(q: Tensor, k: Tensor, v: Tensor, segs: Sequence[Segment]) -
     S = max(ends)
     if R > 2 * len(segs) + 2 or R * S > 3 * sum(ends):  # sparse rows, or one long context
         return None  # among short ones: reading R x S slots would cost more than per segment
+    dev = q.device
+    if sum(lens) != q.shape[2]:  # some of the row's tokens: theirs, in segment order
+        sel = torch.tensor([i for seg in segs for i in range(seg.lo, seg.hi)], device=dev)
+        q, k, v = q[:, :, sel], k[:, :, sel], v[:, :, sel]
     _, nh, N, d = q.shape
     nkv = k.shape[1]
     g = nh // nkv
     pool.reserve(R - 1, S, k)
-    dev = q.device
     # token i of segment j: pool row rows[j], slot ats[j] + i, padded query position i
     tok_row = torch.tensor([r for r, t in zip(rows, lens, strict=True) for _ in range(t)],
                            device=dev)
@@ -304,9 +309,7 @@ class DecoderLayer(nn.Module):
             [c.num_attention_heads, c.num_key_value_heads], dim=1)
         new_kv = (k, v)  # cached post-RoPE, for these T tokens only
         if packed is not None:  # several sessions' tokens in one row
-            o = pooled_attention(q, k, v, packed)  # one batched call over the sessions' pool
-            if o is None:  # else attention per segment
-                o = torch.cat([self._segment(q, k, v, seg) for seg in packed], dim=2)
+            o = self._packed(q, k, v, packed)
             return self.o_proj(o.transpose(1, 2).reshape(B, T, -1)), None
         if past_kv is not None:
             k, v = torch.cat([past_kv[0], k], dim=2), torch.cat([past_kv[1], v], dim=2)
@@ -325,6 +328,27 @@ class DecoderLayer(nn.Module):
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # GQA
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, nh, T, D]
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1)), new_kv
+
+    def _packed(self, q: Tensor, k: Tensor, v: Tensor, packed: Sequence[Segment]) -> Tensor:
+        """Attention of a packed row's segments: the short ones (decode commits, tree levels) in
+        one batched call over the sessions' pool (`pooled_attention`), each longer one (a
+        prompt's commit, which joins a serving step's commit whenever a request starts drafting)
+        alone; every segment alone where the batched call does not apply."""
+        short = [seg for seg in packed if seg.hi - seg.lo <= GROUPED_MAX_QUERIES]
+        pooled = pooled_attention(q, k, v, short)
+        if pooled is None:
+            return torch.cat([self._segment(q, k, v, seg) for seg in packed], dim=2)
+        if len(short) == len(packed):
+            return pooled
+        parts, at = [], 0  # in row order; `pooled` holds the short segments' rows in order
+        for seg in packed:
+            n = seg.hi - seg.lo
+            if n > GROUPED_MAX_QUERIES:
+                parts.append(self._segment(q, k, v, seg))
+            else:
+                parts.append(pooled[:, :, at : at + n])
+                at += n
+        return torch.cat(parts, dim=2)
 
     def _segment(self, q: Tensor, k: Tensor, v: Tensor, seg: Segment) -> Tensor:
         """One session's queries [1, nh, T, D] of a packed row: its K/V written into its cache at
@@ -722,19 +746,38 @@ class EagleSession:
     def expand_topk_many(items) -> list[tuple[Tensor, Tensor]]:
         """`expand_topk` for several sessions of one head: items (session, tree, nodes, k); the
         missing nodes of all trees run in one packed forward, the logits in one matmul."""
+        values, idx = EagleSession._topk_many(items)
+        out, lo = [], 0
+        for _, _, nodes, k in items:  # one row per listed node, in item order
+            out.append((values[lo : lo + len(nodes), :k], idx[lo : lo + len(nodes), :k]))
+            lo += len(nodes)
+        return out
+
+    @staticmethod
+    @torch.no_grad()
+    def topk_lists_many(items) -> list[tuple[list, list]]:
+        """`expand_topk_many` as Python lists (heads/tree.py drafting reads lists): the same
+        values, converted in two calls for all items."""
+        values, idx = EagleSession._topk_many(items)
+        values, idx = values.tolist(), idx.tolist()
+        out, lo = [], 0
+        for _, _, nodes, k in items:
+            hi = lo + len(nodes)
+            out.append(([v[:k] for v in values[lo:hi]], [t[:k] for t in idx[lo:hi]]))
+            lo = hi
+        return out
+
+    @staticmethod
+    def _topk_many(items) -> tuple[Tensor, Tensor]:
+        """Top-max(k) log-probs and target ids [sum of len(nodes), kmax] of items (session, tree,
+        nodes, k)."""
         lg, d2t, _ = EagleSession.draft_logits_many([(s, t, nodes) for s, t, nodes, _ in items])
         kmax = max(k for *_, k in items)
         if kmax > lg.shape[-1]:
             raise ValueError(f"cannot draft {kmax} distinct children from a vocabulary of "
                              f"{lg.shape[-1]}")
         values, idx = torch.log_softmax(lg, dim=-1).topk(kmax, dim=-1)
-        if d2t is not None:
-            idx = d2t[idx]
-        out, lo = [], 0
-        for _, _, nodes, k in items:  # one row per listed node, in item order
-            out.append((values[lo : lo + len(nodes), :k], idx[lo : lo + len(nodes), :k]))
-            lo += len(nodes)
-        return out
+        return values, (idx if d2t is None else d2t[idx])
 
     @staticmethod
     @torch.no_grad()
@@ -763,7 +806,7 @@ class EagleSession:
             for s, tree, todo in pending:
                 if not todo:
                     continue
-                parents = tree.parents.tolist()
+                parents = _parent_list(tree)
                 ready = [n for n in todo if parents[n] in s.feat]
                 if not ready:
                     raise ValueError(f"cannot expand nodes {todo}: their parents were never "
@@ -780,7 +823,7 @@ class EagleSession:
         if self.length == 0:
             raise RuntimeError("commit target hidden states before drafting (nothing committed)")
         if 0 in nodes:
-            root = int(tree.tokens[0])
+            root = _token_list(tree)[0]
             if root != self.last_token:
                 raise ValueError(
                     f"tree root token {root} != last committed token {self.last_token}; "
@@ -804,7 +847,8 @@ class EagleSession:
             for n in nodes:
                 depth[n] = depth[parents[n]] + 1  # parents ran before their children
             feats += [s.feat[parents[n]] for n in nodes]
-            ids.append(tree.tokens[nodes])
+            tokens = _token_list(tree)
+            ids += [tokens[n] for n in nodes]
             pos += [s.length - 1 + depth[n] for n in nodes]
             C = s.length - s.start  # committed pairs held in the cache
             mask = None
@@ -823,9 +867,18 @@ class EagleSession:
                                   torch.tensor(rows, dtype=torch.bool)], dim=1).to(dev)
             segs.append(Segment(lo, lo + T, s.cache, C + M, mask))
             lo += T
-        out, _ = head(torch.stack(feats)[None], torch.cat(ids).to(dev)[None],
+        out, _ = head(torch.stack(feats)[None], torch.tensor(ids, device=dev)[None],
                       torch.tensor(pos, device=dev)[None], packed=segs)
         for (s, _, _, nodes), seg in zip(jobs, segs, strict=True):
             s.tree_nodes += nodes
             for i, n in enumerate(nodes):
                 s.feat[n] = out[0, seg.lo + i]
+
+
+def _parent_list(tree) -> list[int]:
+    """A tree's parents as a list (a GrowingTree holds one; a DraftTree's tensor converted)."""
+    return getattr(tree, "parent_list", None) or tree.parents.tolist()
+
+
+def _token_list(tree) -> list[int]:
+    return getattr(tree, "token_list", None) or tree.tokens.tolist()

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from .common import batched
-from .tree import Device, DraftTree, fixed_steps, in_lockstep, validate_parents
+from .tree import Device, DraftTree, GrowingTree, fixed_steps, in_lockstep, validate_parents
 
 SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below it mean greedy
 
@@ -394,7 +394,8 @@ def draft_chains(jobs: Sequence[tuple[int, object, SamplingParams, torch.Generat
     qs: list[list[Tensor]] = [[] for _ in jobs]
     ids, vocab = None, None
     for d in range(depth):
-        trees = [_chain(t, lp) for t, lp in zip(tokens, logprobs, strict=True)]
+        trees = [GrowingTree(t, list(range(-1, d)), lp, None)
+                 for t, lp in zip(tokens, logprobs, strict=True)]
         if many is not None:
             rows, ids, vocab = many([(e, t, [d]) for e, t in zip(expanders, trees, strict=True)])
         else:

@@ -24,6 +24,7 @@ from treedraft.heads.common import (
     tokenizer_fingerprint,
 )
 from treedraft.heads.eagle import (
+    GROUPED_MAX_QUERIES,
     EagleConfig,
     EagleHead,
     KVCache,
@@ -473,6 +474,55 @@ def test_sessions_draft_together_as_one_by_one(layout):
     with pytest.raises(ValueError, match="same head"):
         EagleSession.commit_many([(alone[0], h[:1], tok[:1]),
                                   (make_eagle(layout=layout).draft_session(), h[:1], tok[:1])])
+
+
+def test_a_prompt_commit_among_decode_commits_ends_as_one_by_one():
+    """A serving step's packed commit where one request commits its prompt (more pairs than the
+    batched attention takes) between requests committing a few pairs: the short segments attend
+    in one call over the pool (`pooled_attention` over some of the row's tokens), the prompt
+    alone, and every session ends where committing alone ends."""
+    from treedraft.heads.eagle import EagleSession
+
+    head = make_eagle()
+    g = torch.Generator().manual_seed(5)
+    h, tok = torch.randn(40, H, generator=g), torch.randint(0, V, (40,), generator=g)
+
+    def sessions():
+        a, b, c = (head.draft_session() for _ in range(3))
+        a.commit(h[:5], tok[:5])
+        c.commit(h[3:12], tok[3:12])
+        return [a, b, c]
+
+    together, alone = sessions(), sessions()  # together in the pool's first rows
+    news = [(h[5:7], tok[5:7]), (h[:GROUPED_MAX_QUERIES + 9], tok[:GROUPED_MAX_QUERIES + 9]),
+            (h[12:13], tok[12:13])]
+    for s, (hh, tt) in zip(alone, news, strict=True):
+        s.commit(hh, tt)
+    EagleSession.commit_many([(s, hh, tt) for s, (hh, tt) in zip(together, news, strict=True)])
+    for a, b in zip(alone, together, strict=True):
+        assert a.length == b.length and a.last_token == b.last_token
+        torch.testing.assert_close(a.root_feature, b.root_feature, rtol=0, atol=1e-5)
+    spec = parse_tree_spec("chain:3")
+    for a, b in zip(alone, together, strict=True):
+        assert (draft_tree(a.last_token, a, spec).tokens.tolist()
+                == draft_tree(b.last_token, b, spec).tokens.tolist())
+    # the pooled call over the short segments alone: their tokens' attention, in segment order
+    nh, nkv, d = 4, 2, H // 4
+    sizes = (2, GROUPED_MAX_QUERIES + 9, 1)
+    q = torch.randn(1, nh, sum(sizes), d, generator=g)
+    k, v = torch.randn(1, nkv, sum(sizes), d, generator=g), torch.randn(1, nkv, sum(sizes), d,
+                                                                        generator=g)
+    short = [Segment(0, 2, together[0].cache, together[0].length - 2, None, causal=True),
+             Segment(sum(sizes) - 1, sum(sizes), together[2].cache, together[2].length - 1,
+                     None, causal=True)]
+    got = pooled_attention(q, k, v, short)
+    want = [grouped_attention(q[:, :, seg.lo : seg.hi], *seg.cache.write(seg.at, k[:, :, seg.lo :
+                              seg.hi], v[:, :, seg.lo : seg.hi]),
+                              None if seg.hi - seg.lo == 1 else torch.ones(
+                                  2, seg.at + 2, dtype=torch.bool).tril(seg.at))
+            for seg in short]
+    assert got is not None and got.shape == (1, nh, 3, d)
+    torch.testing.assert_close(got, torch.cat(want, 2), rtol=0, atol=1e-5)
 
 
 def test_medusa_shapes_and_depth_limit():
