@@ -291,17 +291,44 @@ class DecoderLayer(nn.Module):
         self.gate_proj = nn.Linear(h, c.intermediate_size, bias=False)
         self.up_proj = nn.Linear(h, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, h, bias=False)
+        self.qkv_proj: nn.Linear | None = None  # `fuse_projections` (serving)
+        self.gate_up_proj: nn.Linear | None = None
         self._inv_freq: Tensor | None = None  # RoPE frequencies (float32), on the input's device
+
+    @torch.no_grad()
+    def fuse_projections(self) -> None:
+        """For serving: q/k/v as one linear layer and gate/up as one, their weights stacked by
+        rows (one GEMM each instead of three and two, as vLLM's QKVParallelLinear and
+        MergedColumnParallelLinear; about 0.03 ms less per head forward on a 2-core CPU at 1-16
+        rows, and five fewer kernel launches on a GPU). The separate layers are dropped: a fused
+        layer's state_dict has the fused names, so fuse a loaded head, never one to train or to
+        save."""
+        if self.qkv_proj is not None:
+            return
+
+        def stacked(*layers: nn.Linear) -> nn.Linear:
+            w = torch.cat([m.weight for m in layers])
+            out = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+            out.weight.copy_(w)
+            return out
+
+        self.qkv_proj = stacked(self.q_proj, self.k_proj, self.v_proj)
+        self.gate_up_proj = stacked(self.gate_proj, self.up_proj)
+        del self.q_proj, self.k_proj, self.v_proj, self.gate_proj, self.up_proj
 
     def attention(self, x: Tensor, positions: Tensor, past_kv, attn_mask, packed=None):
         c = self.c
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim)
-        k = self.k_proj(x).view(B, T, c.num_key_value_heads, c.head_dim)
+        nh, nkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split([nh * d, nkv * d, nkv * d], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k = q.view(B, T, nh, d), k.view(B, T, nkv, d)
         if self.q_norm is not None:  # Qwen3: per-head norms before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = self.v_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = v.view(B, T, nkv, d).transpose(1, 2)
         if self._inv_freq is None or self._inv_freq.device != x.device:  # computed once
             self._inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling, x.device)
         cos, sin = rope_cos_sin(positions, self._inv_freq)
@@ -377,7 +404,11 @@ class DecoderLayer(nn.Module):
         a, new_kv = self.attention(attn_in, positions, past_kv, attn_mask, packed)
         x = residual + a
         h = self.mlp_norm(x)
-        x = x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(h), self.up_proj(h)
+        x = x + self.down_proj(F.silu(gate) * up)
         return x, new_kv
 
 
@@ -415,6 +446,12 @@ class EagleHead(DraftHead):
                 self.lm_head.register_buffer("weight", torch.zeros(config.draft_vocab_size, h),
                                              persistent=False)
                 self.register_load_state_dict_post_hook(_retie_lm_head)  # a loaded d2t
+
+    def fuse_projections(self) -> None:
+        """Serving: the layer's q/k/v and gate/up as one linear layer each
+        (`DecoderLayer.fuse_projections`: a fused head is for drafting, not training or
+        saving)."""
+        self.layer.fuse_projections()
 
     def bind_target(self, embed_weight: Tensor | None, lm_head_weight: Tensor | None) -> None:
         super().bind_target(embed_weight, lm_head_weight)

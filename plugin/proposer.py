@@ -289,6 +289,8 @@ class TreeDraftProposer:
         head.bind_target(embed, lm_head)  # checks both are [vocab_size, hidden_size]
         from .cpu_kernels import use_vllm_gemm, use_vllm_rms_norm
 
+        if hasattr(head, "fuse_projections"):  # q/k/v, gate/up: one GEMM each
+            head.fuse_projections()
         use_vllm_gemm(head)  # CPU: vLLM's GEMM kernels (oneDNN/AMX) for the head's linears
         use_vllm_rms_norm(head)  # and its rms_norm kernel for the head's norms
         self.head = head

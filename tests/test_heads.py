@@ -308,6 +308,32 @@ def test_eagle_incremental_equals_full_sequence(layout):
     assert kv[0].shape == (2, 2, T, 8)
 
 
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("layout", ["eagle1", "eagle3"])
+def test_fused_projections_compute_what_the_separate_layers_compute(layout, qk_norm):
+    """Serving fuses q/k/v and gate/up into one linear layer each: the same features and K/V,
+    and the same trees drafted from the same sessions; the separate layers are gone."""
+    head = make_eagle(layout=layout, qk_norm=qk_norm)
+    feats, ids = torch.randn(2, 7, H), torch.randint(0, V, (2, 7))
+    pos = torch.arange(7).expand(2, 7)
+    want, (wk, wv) = head(feats, ids, pos)
+    s = head.draft_session()
+    s.commit(torch.randn(6, H, generator=torch.Generator().manual_seed(2)), ids[0, :6])
+    spec = parse_tree_spec("dynamic:8,3,3")
+    tree = draft_tree(s.last_token, s, spec)
+    head.fuse_projections()
+    names = {n for n, _ in head.named_modules()}
+    assert {"layer.qkv_proj", "layer.gate_up_proj"} <= names and "layer.q_proj" not in names
+    got, (k, v) = head(feats, ids, pos)
+    for a, b in ((got, want), (k, wk), (v, wv)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    s.rewind(5)
+    s.commit(torch.randn(6, H, generator=torch.Generator().manual_seed(2))[5:], ids[0, 5:6])
+    again = draft_tree(s.last_token, s, spec)
+    assert again.tokens.tolist() == tree.tokens.tolist()
+    assert again.parents.tolist() == tree.parents.tolist()
+
+
 @pytest.mark.parametrize("layout", ["eagle1", "eagle3"])
 @pytest.mark.parametrize("shape", ["tree", "chain"])
 def test_eagle_tree_expansion_equals_chains(layout, shape):
