@@ -1156,6 +1156,22 @@ def test_live_prefix_takes_pairs_from_a_request_beside_it_with_the_same_first_to
     assert live_prefix({"new": new}, requests, ids[:3], exclude=new) is None
 
 
+def test_bench_drafting_times_the_separate_and_the_fused_head_per_tree_and_batch(capsys):
+    """scripts/bench_drafting.py prints one row per (tree, batch) with both heads' ms per step;
+    a dynamic spec's commas stay inside its spec."""
+    from treedraft.scripts.bench_drafting import _split_specs, main
+
+    assert _split_specs("chain:2,dynamic:6,3,2,static:4") == ["chain:2", "dynamic:6,3,2",
+                                                              "static:4"]
+    main(["--trees", "chain:2,dynamic:6,3,2", "--batch", "1,3", "--rounds", "1",
+          "--dtype", "float32"])
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()
+            if line.startswith(("| chain", "| dynamic"))]
+    assert [(r[0].strip(), int(r[1])) for r in rows] == [
+        ("chain:2", 1), ("chain:2", 3), ("dynamic:6,3,2", 1), ("dynamic:6,3,2", 3)]
+    assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows)
+
+
 def test_bench_tree_attention_times_each_chain_of_a_tree_through_vllms_kernel(capsys):
     """scripts/bench_tree_attention.py builds the plugin's chain cover for each tree shape and
     prints one row per (tree, prefix): a chain is one sequence, a lookup branch from the root
