@@ -763,15 +763,16 @@ class EagleSession:
                     f"{list(target_hidden.shape)} and {list(tokens.shape)}"
                 )
             C = s.length - s.start
-            hidden.append(target_hidden.to(p.device, p.dtype))
-            ids.append(tokens.to(p.device))
-            pos.append(torch.arange(s.length, s.length + T, device=p.device))
+            hidden.append(target_hidden)
+            ids.append(tokens)
+            pos += range(s.length, s.length + T)
             # causal: pair i sees the committed pairs and pairs 0..i of this commit (the mask is
             # built only where the session attends alone: `DecoderLayer._segment`)
             segs.append(Segment(lo, lo + T, s.cache, C, None, causal=True))
             lo += T
-        feats = head.project(torch.cat(hidden))[None]  # [1, N, H]
-        out, _ = head(feats, torch.cat(ids)[None], torch.cat(pos)[None], packed=segs)
+        feats = head.project(torch.cat(hidden).to(p.device, p.dtype))[None]  # [1, N, H]
+        out, _ = head(feats, torch.cat(ids).to(p.device)[None],
+                      torch.tensor(pos, device=p.device)[None], packed=segs)
         for (s, _, tokens), seg in zip(items, segs, strict=True):
             s.length += seg.hi - seg.lo
             s.last_token = int(tokens[-1])

@@ -59,7 +59,7 @@ class PendingPairs:
         if not self.rows:
             return None
         session.rewind(self.start)
-        item = (session, torch.cat(self.feats), torch.cat(self.tokens))
+        item = (session, _joined(self.feats), _joined(self.tokens))
         self.start, self.feats, self.tokens, self.rows = self.start + self.rows, [], [], 0
         return item
 
@@ -135,6 +135,12 @@ class PairLog:
             else:  # a rollback among them: one pair at a time, as they came
                 for k, q in zip(r, pos, strict=True):
                     p.add(q, feats[k : k + 1].clone(), tokens[k : k + 1].clone())
+
+
+def _joined(parts: list[Tensor]) -> Tensor:
+    """The parts concatenated; one part as it is (a serving step's pending pairs are usually one
+    view of the step's features: the commit copies them once, with every request's)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _cat_feats(feats: list) -> Tensor:
