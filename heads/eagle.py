@@ -18,6 +18,8 @@ Features
 - `forward` runs [B, T] sequences causally (training, multi-step unrolling) or with a KV cache
   and an explicit bool mask (tree drafting).
 - `draft_session()`: KV-cached Expander for heads/tree.py's `draft_tree` (see EagleSession).
+- `fuse_projections()` (serving): q/k/v and gate/up as one linear layer each, the same output;
+  a fused head drafts, it is not trained or saved.
 - `layout="eagle3"` (a config field): EAGLE-3's own layer, exactly vLLM 0.32's
   `llama_eagle3.py`: q/k/v read the 2H concat [embed_norm(embedding), feature_norm(feature)]
   (no `combine`, no attention pre-norm), the residual stream starts at the feature (its normed
