@@ -662,7 +662,7 @@ class EagleSession:
     The K/V cache holds the committed pairs (slots 0..C-1, C = length - start), then the current
     tree's nodes in the order they ran; the next commit or new tree overwrites the node slots.
 
-    Sessions of one head batch across requests: `commit_many` and `expand_topk_many` run every
+    Sessions of one head batch across requests: `commit_many` and `topk_lists_many` run every
     session's tokens of a step (or of a tree level) in ONE packed head forward and one LM-head
     matmul, attention per session against its own cache (heads/tree.py `draft_trees` uses
     them). One session alone takes the same path: the math lives once.
@@ -744,7 +744,8 @@ class EagleSession:
         Same values as `expand(...).topk(k)`, computed over the draft vocabulary only: with a
         reduced draft vocab this skips the scatter into, softmax over and top-k of the full one.
         """
-        return self.expand_topk_many([(self, tree, nodes, k)])[0]
+        values, idx = self._topk_many([(self, tree, nodes, k)])
+        return values[:, :k], idx[:, :k]
 
     # ---------------------------------------------------------------- many sessions, one forward
     @staticmethod
@@ -783,21 +784,10 @@ class EagleSession:
 
     @staticmethod
     @torch.no_grad()
-    def expand_topk_many(items) -> list[tuple[Tensor, Tensor]]:
-        """`expand_topk` for several sessions of one head: items (session, tree, nodes, k); the
-        missing nodes of all trees run in one packed forward, the logits in one matmul."""
-        values, idx = EagleSession._topk_many(items)
-        out, lo = [], 0
-        for _, _, nodes, k in items:  # one row per listed node, in item order
-            out.append((values[lo : lo + len(nodes), :k], idx[lo : lo + len(nodes), :k]))
-            lo += len(nodes)
-        return out
-
-    @staticmethod
-    @torch.no_grad()
     def topk_lists_many(items) -> list[tuple[list, list]]:
-        """`expand_topk_many` as Python lists (heads/tree.py drafting reads lists): the same
-        values, converted in two calls for all items."""
+        """`expand_topk` for several sessions of one head, as Python lists (heads/tree.py
+        drafting reads lists): items (session, tree, nodes, k); the missing nodes of all trees
+        run in one packed forward, the logits in one matmul, converted in two calls."""
         values, idx = EagleSession._topk_many(items)
         values, idx = values.tolist(), idx.tolist()
         out, lo = [], 0
@@ -808,6 +798,7 @@ class EagleSession:
         return out
 
     @staticmethod
+    @torch.no_grad()
     def _topk_many(items) -> tuple[Tensor, Tensor]:
         """Top-max(k) log-probs and target ids [sum of len(nodes), kmax] of items (session, tree,
         nodes, k)."""

@@ -726,7 +726,7 @@ def draft_trees(
     """`draft_tree` for several (root_token, expander) pairs (one per request), in lockstep.
 
     Each level of every tree is one expansion; when all expanders are of one class that offers
-    `expand_topk_many(items)` (EagleSession), a level of ALL trees is one call (one packed head
+    `topk_lists_many(items)` (EagleSession), a level of ALL trees is one call (one packed head
     forward and one LM-head matmul for every request of a serving step), else one call each.
     The trees are those `draft_tree` makes one by one."""
     steps = []

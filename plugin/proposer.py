@@ -12,7 +12,7 @@ Per request and step (rows are this step's scheduled tokens, starting at positio
   nothing for a request, e.g. `"tree": "auto"` drafting nothing, runs no head forward for it);
 - draft a tree (or chain) below the last sampled token and return its tokens in node order.
 Both run batched across the step's drafting requests: their commits in one packed head
-forward, each tree level of all requests in one more (`EagleSession.commit_many`/`expand_topk_many` through
+forward, each tree level of all requests in one more (`EagleSession.commit_many`/`topk_lists_many` through
 `heads.common.commit_sessions` and `heads.lookup.draft_hybrids`); attention stays per request,
 against that request's own in-place head KV cache.
   Chains of requests that sample (T > 0) draw each token from the head's distribution q under

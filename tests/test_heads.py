@@ -458,6 +458,19 @@ def test_prefix_store_finds_pairs_by_tokens_and_keeps_the_most_recent():
     assert store.find([0, 1, 2]) is None
 
 
+def commit_alone_and_together(alone, together, news) -> None:
+    """Commit news[i] (target_hidden, tokens) to alone[i] one by one and to together[i] in one
+    packed forward (`EagleSession.commit_many`); both lists of sessions end alike."""
+    from treedraft.heads.eagle import EagleSession
+
+    for s, (hh, tt) in zip(alone, news, strict=True):
+        s.commit(hh, tt)
+    EagleSession.commit_many([(s, hh, tt) for s, (hh, tt) in zip(together, news, strict=True)])
+    for a, b in zip(alone, together, strict=True):
+        assert a.length == b.length and a.last_token == b.last_token
+        torch.testing.assert_close(a.root_feature, b.root_feature, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("layout", ["eagle1", "eagle3"])
 def test_sessions_draft_together_as_one_by_one(layout):
     """Batched drafting (serving: one packed head forward per tree level for all requests)
@@ -484,12 +497,7 @@ def test_sessions_draft_together_as_one_by_one(layout):
     alone, together = sessions(), sessions()
     news = [(h[30:31], tok[30:31]), (h[20:24], tok[20:24]), (h[9:12], tok[9:12]),
             (h[1:3], tok[1:3])]
-    for s, (hh, tt) in zip(alone, news, strict=True):
-        s.commit(hh, tt)
-    EagleSession.commit_many([(s, hh, tt) for s, (hh, tt) in zip(together, news, strict=True)])
-    for a, b in zip(alone, together, strict=True):
-        assert a.length == b.length and a.last_token == b.last_token
-        torch.testing.assert_close(a.root_feature, b.root_feature, rtol=0, atol=1e-5)
+    commit_alone_and_together(alone, together, news)
     for spec in ("chain:4", "static:9", "dynamic:12,3,4", "dynamic:6,2,5"):
         spec = parse_tree_spec(spec)
         one = [draft_tree(s.last_token, s, spec) for s in alone]
@@ -507,8 +515,6 @@ def test_a_prompt_commit_among_decode_commits_ends_as_one_by_one():
     batched attention takes) between requests committing a few pairs: the short segments attend
     in one call over the pool (`pooled_attention` over some of the row's tokens), the prompt
     alone, and every session ends where committing alone ends."""
-    from treedraft.heads.eagle import EagleSession
-
     head = make_eagle()
     g = torch.Generator().manual_seed(5)
     h, tok = torch.randn(40, H, generator=g), torch.randint(0, V, (40,), generator=g)
@@ -522,12 +528,7 @@ def test_a_prompt_commit_among_decode_commits_ends_as_one_by_one():
     together, alone = sessions(), sessions()  # together in the pool's first rows
     news = [(h[5:7], tok[5:7]), (h[:GROUPED_MAX_QUERIES + 9], tok[:GROUPED_MAX_QUERIES + 9]),
             (h[12:13], tok[12:13])]
-    for s, (hh, tt) in zip(alone, news, strict=True):
-        s.commit(hh, tt)
-    EagleSession.commit_many([(s, hh, tt) for s, (hh, tt) in zip(together, news, strict=True)])
-    for a, b in zip(alone, together, strict=True):
-        assert a.length == b.length and a.last_token == b.last_token
-        torch.testing.assert_close(a.root_feature, b.root_feature, rtol=0, atol=1e-5)
+    commit_alone_and_together(alone, together, news)
     spec = parse_tree_spec("chain:3")
     for a, b in zip(alone, together, strict=True):
         assert (draft_tree(a.last_token, a, spec).tokens.tolist()
