@@ -85,11 +85,11 @@ from pathlib import Path
 PRESETS = {
     "quick": {"limit": 8, "stride": 10, "max_new_tokens": 96, "batch_sizes": (1, 8),
               "temperatures": (0.0, 1.0), "enforce_eager": True,
-              "rounds": 2, "continuous": True, "warmup": True,
+              "rounds": 2, "continuous": True, "warmup": True, "slice_tokens": 64,
               "configs": ("no-spec", "chain=3", "tree=chain:2+lookup:4", "auto")},
     "full": {"limit": 80, "stride": 1, "max_new_tokens": 256, "batch_sizes": (1, 4, 16, 32),
              "temperatures": (0.0, 1.0), "enforce_eager": False,
-             "rounds": 1, "continuous": True, "warmup": True,
+             "rounds": 1, "continuous": True, "warmup": True, "slice_tokens": 64,
              # small trees: on a CPU every verified token costs compute
              "configs": ("no-spec", "ngram=4", "chain=3", "tree=static:10",
                          "tree=dynamic:10,3,3", "tree=lookup:8",
@@ -306,6 +306,46 @@ def run_order(configs: tuple[str, ...], jobs: list, rounds: int) -> list[tuple[i
     runs = [(r, j) for j in jobs for r in range(rounds)]
     return [(r, j, c) for n, (r, j) in enumerate(runs)
             for c in (configs if n % 2 == 0 else configs[::-1])]
+
+
+def sliced_turn(engines: dict, turn: dict, slice_tokens: int, reverse: bool = False,
+                events=None, lost=None) -> dict[str, dict]:
+    """Every engine runs one continuous turn a slice at a time (`scripts/engine.py` `Sliced`):
+    each in turn steps until its requests made `slice_tokens` tokens per batch slot, the order
+    alternating from slice to slice (A B C, C B A, ...; `reverse`: starting C B A), until every
+    engine's queue has ended; a slice is a few seconds, so the machine's speed changes reach
+    every configuration alike. Returns each engine's result (`_run_job`'s format, its seconds
+    only those of its own slices). `events(c)`: a progress callback per configuration;
+    `lost(c, error)`: called for an engine that fails, which the others go on without."""
+    name, tokens = turn["name"], slice_tokens * (turn.get("batch_size") or len(turn["prompts"]))
+    live = list(engines)
+
+    def call(c: str, fn):
+        try:
+            return fn(c)
+        except RuntimeError as e:
+            live.remove(c)
+            if lost is None:
+                raise
+            lost(c, e)
+            return None
+
+    kw = (lambda c: {"progress": events(c)}) if events is not None else (lambda c: {})
+    for c in list(live):
+        call(c, lambda c: engines[c].start(turn, **kw(c)))
+    going, k = list(live), int(reverse)
+    while going:
+        for c in (going[:] if k % 2 == 0 else going[::-1]):
+            if c in live and call(c, lambda c: engines[c].advance(name, tokens, **kw(c))):
+                going.remove(c)
+        going = [c for c in going if c in live]
+        k += 1
+    results = {}
+    for c in list(live):
+        res = call(c, lambda c: engines[c].finish(name, **kw(c)))
+        if res is not None:
+            results[c] = res
+    return results
 
 
 def _cuda() -> bool:
@@ -597,7 +637,7 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
           enforce_eager: bool | None = None, stride: int | None = None,
           preset: str = "quick", profile: bool = False, by_category: bool = False,
           rounds: int | None = None, continuous: bool | None = None,
-          warmup: bool | None = None) -> list[dict]:
+          warmup: bool | None = None, slice_tokens: int | None = None) -> list[dict]:
     from transformers import AutoTokenizer
 
     from treedraft.heads.machine import describe, resolve_dtype
@@ -611,7 +651,8 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
 
     given = {"limit": limit, "max_new_tokens": max_new_tokens, "batch_sizes": batch_sizes,
              "temperatures": temperatures, "configs": configs, "enforce_eager": enforce_eager,
-             "stride": stride, "rounds": rounds, "continuous": continuous, "warmup": warmup}
+             "stride": stride, "rounds": rounds, "continuous": continuous, "warmup": warmup,
+             "slice_tokens": slice_tokens}
     if preset not in PRESETS:
         raise ValueError(f"bench preset {preset!r}; valid: {', '.join(PRESETS)}")
     o = {k: v if v is not None else PRESETS[preset][k] for k, v in given.items()}
@@ -619,6 +660,10 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
     rounds, continuous = o["rounds"], o["continuous"]
     if rounds < 1:
         raise ValueError(f"bench rounds must be >= 1, got {rounds}")
+    if o["slice_tokens"] < 0:
+        raise ValueError(f"bench slice tokens must be >= 0 (0: whole turns), got "
+                         f"{o['slice_tokens']}")
+    sliced = continuous and o["slice_tokens"] > 0  # engines take turns a slice at a time
     vllm_dtype = resolve_dtype(dtype)
     machine = describe()
     specs = {c: speculative_config(c, str(resolve_head(head))) for c in configs}  # fail early
@@ -648,7 +693,9 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
           f"{o['max_new_tokens']} tokens, batch sizes {list(o['batch_sizes'])} "
           f"({'a queue, continuous batching' if continuous else 'waves'}), T "
           f"{list(o['temperatures'])}; {len(configs)} configurations: {', '.join(configs)}"
-          + (f"; {rounds} rounds in alternating order" if rounds > 1 else ""), flush=True)
+          + (f"; {rounds} rounds in alternating order" if rounds > 1 else "")
+          + (f"; engines take turns in slices of {o['slice_tokens']} tokens per batch slot"
+             if sliced else ""), flush=True)
     llm = {"max_num_seqs": max(o["batch_sizes"]), "dtype": vllm_dtype,
            "enforce_eager": o["enforce_eager"]}
     if _cuda():  # the engines are up side by side: each gets its share of the GPU's memory
@@ -673,15 +720,24 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
             for i, c in enumerate(configs):  # start every engine and warm it, untimed
                 # the worker zeroes this file when its runner starts, then rewrites it per step
                 env = {PROFILE_ENV: str((out / f"profile-{i}.json").resolve())} if profile \
-                    else None
+                    else {}
+                if sliced:  # the engine core in the engine's process: it steps only when asked
+                    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
                 engines[c] = Engine(target_dir, specs[c], llm=llm, env=env)
                 try:
                     engines[c].run(warm[c], progress=progress.events(c))
                 except RuntimeError as e:
                     lost(c, e)
             parts: dict[tuple, list[dict]] = {}  # (config, job, round) -> its turns' results
-            for rnd, (n, t), c in run_order(configs, [(n, t) for n, j in enumerate(jobs)
-                                                      for t in turns(j)], rounds):
+            every = [(n, t) for n, j in enumerate(jobs) for t in turns(j)]
+            if sliced:
+                for k, (rnd, (n, t)) in enumerate((r, nt) for nt in every for r in range(rounds)):
+                    res = sliced_turn({c: engines[c] for c in configs if c in engines}, t,
+                                      o["slice_tokens"], reverse=k % 2 == 1,
+                                      events=progress.events, lost=lost)
+                    for c, r in res.items():
+                        parts.setdefault((c, n, rnd), []).append(r)
+            for rnd, (n, t), c in [] if sliced else run_order(configs, every, rounds):
                 if c not in engines:
                     continue
                 try:
@@ -711,7 +767,8 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
             "max_new_tokens": o["max_new_tokens"], "baseline": configs[0],
             "dtype": vllm_dtype, "dtype_requested": dtype, "enforce_eager": o["enforce_eager"],
             "machine": machine, "seconds": time.perf_counter() - t0, "profile": profile,
-            "rounds": rounds, "continuous": continuous, "failed": failed}
+            "rounds": rounds, "continuous": continuous,
+            "slice_tokens": o["slice_tokens"] if sliced else None, "failed": failed}
     (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     table = markdown(rows)
     if len(groups) > 1:

@@ -208,6 +208,11 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
                             "default)")
     queue.add_argument("--waves", dest="continuous", action="store_false",
                        help="waves of batch-size requests instead, each as long as its slowest")
+    p.add_argument("--slice-tokens", type=int, default=None,
+                   help="with a queue, the engines take turns on each part of a job a slice at "
+                        "a time: N output tokens per batch slot, the order alternating, each "
+                        "engine's clock running only in its own slices (default "
+                        f"{q['slice_tokens']}; 0: each engine runs the part whole in turn)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", default=None,
                    help="time the engines from their first request (default: every engine "
                         "first runs each job's shape for 32 tokens per request, untimed)")
@@ -231,7 +236,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
           args.out, dtype=args.dtype, enforce_eager=args.enforce_eager, stride=args.stride,
           preset="full" if args.full else "quick", profile=args.profile,
           by_category=args.by_category, rounds=args.rounds, continuous=args.continuous,
-          warmup=args.warmup)
+          warmup=args.warmup, slice_tokens=args.slice_tokens)
 
 
 OVERRIDES_HELP = (

@@ -143,6 +143,19 @@ class Engine:
                                f"{self.log[-6000:]}")
         return json.loads(self.lines[-1][len(RESULT):])
 
+    def start(self, job: dict, **kw) -> None:
+        """Queue a continuous job to run a slice at a time (`Sliced`; the engine's core in its
+        process: env VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+        self.run([{**job, "op": "start"}], **kw)
+
+    def advance(self, name: str, tokens: int, **kw) -> bool:
+        """Run job `name` until its requests made `tokens` more tokens; whether it ended."""
+        return self.run([{"name": name, "op": "advance", "tokens": tokens}], **kw)[name]["done"]
+
+    def finish(self, name: str, **kw) -> dict:
+        """The result of a job run in slices (`_run_job`'s format), once it ended."""
+        return self.run([{"name": name, "op": "finish"}], **kw)[name]
+
     def close(self, timeout: int = 300) -> None:
         """Let the engine shut down and wait for it (its memory freed before the caller
         starts another)."""
@@ -276,6 +289,16 @@ def sampling_params(kwargs: dict):
 
 
 def _run_job(llm, job: dict) -> dict:
+    op = job.get("op")  # a job run a slice at a time (`Sliced`)
+    if op == "start":
+        _SLICED[job["name"]] = Sliced(llm, job)
+        return {}
+    if op == "advance":
+        return {"done": _SLICED[job["name"]].advance(job["tokens"])}
+    if op == "finish":
+        return _SLICED.pop(job["name"]).result()
+    if op is not None:
+        raise ValueError(f"job op {op!r}: start, advance or finish")
     from vllm.inputs import TokensPrompt
 
     from treedraft.plugin import profile
@@ -372,6 +395,108 @@ def _continuous(llm, prompts: list, params: list, bs: int, name: str
                 running -= 1
                 _report({"job": name, "tokens": sum(len(c.token_ids) for c in o.outputs)})
     return outs, started, ended
+
+
+class Sliced:
+    """A continuous job run a slice at a time, so that several engines can take turns every few
+    seconds on the same queue (`treedraft bench`'s slices): `Engine.start` queues nothing yet,
+    each `Engine.advance` steps the engine until the job's requests have made `tokens` more
+    tokens (or all ended), `Engine.finish` returns the job's result as `_run_job` does (token
+    ids, finish reasons, the queue's times; no logprobs). The job's clock runs only while it
+    advances: its requests' times and its seconds leave out what ran between its slices. It
+    needs vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0); a core in a
+    process of its own keeps stepping between slices."""
+
+    def __init__(self, llm, job: dict) -> None:
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        from treedraft.plugin import profile
+
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+            raise RuntimeError("a job run in slices needs the engine core in this process: "
+                               "start the engine with VLLM_ENABLE_V1_MULTIPROCESSING=0")
+        if not job.get("continuous"):
+            raise ValueError(f"job {job['name']!r}: only a continuous job runs in slices")
+        self.llm, self.engine, self.name = llm, llm.llm_engine, job["name"]
+        if self.engine.has_unfinished_requests():
+            raise RuntimeError("sliced job: the engine still runs requests of an earlier job")
+        self.prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
+        raw = job["params"]
+        self.params = [sampling_params(p) for p in (raw if isinstance(raw, list)
+                                                     else [raw] * len(self.prompts))]
+        for sp in self.params:
+            if sp.n != 1 or sp.logprobs is not None or sp.prompt_logprobs is not None:
+                raise ValueError(f"job {self.name!r}: a sliced job returns one output's token "
+                                 "ids per request (no n > 1, no logprobs)")
+            sp.output_kind = RequestOutputKind.DELTA  # each step's new tokens: the slice's count
+        self.bs = job.get("batch_size") or len(self.prompts)
+        self.before = spec_counters(llm)
+        self.prof = os.environ.get(profile.PROFILE_ENV)
+        self.prof_before = profile.read(self.prof)
+        n = len(self.prompts)
+        self.tokens: list[list[int]] = [[] for _ in range(n)]
+        self.finish: list[str | None] = [None] * n
+        self.started, self.ended = [0.0] * n, [0.0] * n
+        self.where: dict[str, int] = {}  # vLLM's request id -> prompt index
+        self.nxt = self.running = 0
+        self.clock = 0.0  # seconds this job has advanced
+
+    @property
+    def done(self) -> bool:
+        return self.nxt == len(self.prompts) and not self.running
+
+    def advance(self, tokens: int) -> bool:
+        """Step until the requests made `tokens` more tokens or the job ended (at most
+        `batch_size` running, the next submitted as one ends); whether it ended."""
+        t0 = time.perf_counter()
+
+        def now() -> float:
+            return self.clock + time.perf_counter() - t0
+
+        made = 0
+        while made < tokens and not self.done:
+            while self.nxt < len(self.prompts) and self.running < self.bs:
+                i = self.nxt
+                self.started[i] = now()
+                rid = f"{self.name}-{i}"  # outputs name it, or the id vLLM returns for it
+                self.where[rid] = i
+                self.where[self.engine.add_request(rid, self.prompts[i], self.params[i])] = i
+                self.nxt, self.running = i + 1, self.running + 1
+            for o in self.engine.step():
+                i = self.where[o.request_id]
+                new = o.outputs[0].token_ids
+                self.tokens[i] += new
+                made += len(new)
+                if o.finished:
+                    self.ended[i], self.finish[i] = now(), o.outputs[0].finish_reason
+                    self.running -= 1
+                    _report({"job": self.name, "tokens": len(self.tokens[i])})
+        self.clock = now()
+        return self.done
+
+    def result(self) -> dict:
+        from treedraft.plugin import profile
+
+        if not self.done:
+            raise RuntimeError(f"job {self.name!r} finished before its requests ended")
+        n = len(self.prompts)
+        window = full_batch_window(self.started, self.ended, [len(t) for t in self.tokens],
+                                   self.bs)
+        out = {"tokens": self.tokens, "logprobs": [None] * n, "top_logprobs": [None] * n,
+               "finish_reasons": self.finish, "prompt_logprobs": [None] * n,
+               "wave_seconds": [self.clock],
+               "spec": counter_delta(self.before, spec_counters(self.llm)),
+               "request_seconds": [e - s for s, e in zip(self.started, self.ended,
+                                                         strict=True)],
+               "full_tokens": window[0] if window else [0.0] * n,
+               "full_seconds": [window[1]] if window else []}
+        if self.prof:
+            out["profile"] = profile.delta(self.prof_before, profile.read(self.prof))
+        return out
+
+
+_SLICED: dict[str, Sliced] = {}  # this engine's jobs run in slices, by name
 
 
 def full_batch_window(starts: list[float], ends: list[float], tokens: list[int], batch: int

@@ -17,6 +17,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -513,10 +514,13 @@ def test_bench_speedup_chart_bars_scale_mark_and_ranges():
     assert speedup_chart([row("no-spec", 0.0, 1, 1.0)], "no-spec") == ""  # nothing to plot
 
 
-def test_bench_reports_the_other_configs_when_one_engine_fails(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("slice_tokens", [0, 64])
+def test_bench_reports_the_other_configs_when_one_engine_fails(tmp_path, monkeypatch, capsys,
+                                                              slice_tokens):
     """An engine that dies (e.g. a baseline vLLM method at T=1) costs its own row, not the bench:
     the other configurations run and are tabled, the failure is named with its log; a failed
-    baseline stops the bench (nothing to compare with)."""
+    baseline stops the bench (nothing to compare with). The same with the engines taking turns
+    in slices (start, advance, finish per turn) and without (one run per turn)."""
     from treedraft.scripts import engine
     from treedraft.scripts.bench import bench
 
@@ -524,7 +528,17 @@ def test_bench_reports_the_other_configs_when_one_engine_fails(tmp_path, monkeyp
 
     class Fake:  # the engine's result format, without an engine
         def __init__(self, target_dir, spec, **kw):
-            self.spec, self.log = spec, "engine log"
+            self.spec, self.log, self.jobs = spec, "engine log", {}
+
+        def start(self, job, **kw):
+            self.jobs[job["name"]] = job
+            self.run([{**job, "op": "start"}])
+
+        def advance(self, name, tokens, **kw):
+            return self.run([{"name": name, "op": "advance"}])[name]["done"]
+
+        def finish(self, name, **kw):
+            return self.run([self.jobs.pop(name)])[name]
 
         def run(self, jobs, **kw):
             calls.append(self.spec)
@@ -532,6 +546,9 @@ def test_bench_reports_the_other_configs_when_one_engine_fails(tmp_path, monkeyp
                 raise RuntimeError("vLLM engine run failed (exit 1):\nWorker failed with error 'x'")
             res = {}
             for j in jobs:
+                if j.get("op"):
+                    res[j["name"]] = {"done": True}
+                    continue
                 n, bs = len(j["prompts"]), j["batch_size"]
                 res[j["name"]] = {"tokens": [[1] * j["params"]["max_tokens"]] * n,
                                   "wave_seconds": [1.0] * -(-n // bs),
@@ -547,11 +564,13 @@ def test_bench_reports_the_other_configs_when_one_engine_fails(tmp_path, monkeyp
 
     monkeypatch.setattr(engine, "Engine", Fake)
     kw = dict(prompts="mtbench", limit=2, max_new_tokens=4, batch_sizes=[1], temperatures=[0],
-              out=tmp_path / "b", rounds=1)
+              out=tmp_path / "b", rounds=1, slice_tokens=slice_tokens)
     rows = bench(configs=["no-spec", "ngram=3", "chain=2"], **kw)
-    # each engine warmed once, then the job's two turns (a queue of 4 at batch 1): the failed
-    # engine gets no second call
-    assert len(calls) == 3 + 2 * 2 and {r["config"] for r in rows} == {"no-spec", "chain=2"}
+    # each engine warmed once, then the job's two turns (a queue of 4 at batch 1), each a run
+    # or a start, one slice and a finish: the failed engine gets no second call
+    per_turn = 3 if slice_tokens else 1
+    assert len(calls) == 3 + 2 * 2 * per_turn
+    assert {r["config"] for r in rows} == {"no-spec", "chain=2"}
     out = capsys.readouterr().out
     assert "ngram=3 FAILED" in out and "Worker failed with error 'x'" in out
     assert "FAILED, not in the table: ngram=3" in out
@@ -585,6 +604,24 @@ def test_engine_stays_up_across_runs_and_a_failed_one_says_why():
     assert len(first["a"]["tokens"][0]) == 8
     assert first["a"]["tokens"] == second["a"]["tokens"] == second["b"]["tokens"]
     assert [ev for ev in events if "ready" in ev] == events[:1]
+    # the same job run in slices (`treedraft bench`): the same tokens; its clock leaves out
+    # the pauses between its slices
+    sliced = {**job, "prompts": [[1, 2, 3, 4], [5, 6, 7], [1, 2, 3, 4]], "batch_size": 2,
+              "continuous": True}
+    with Engine(str(resolve_model("smollm2-135m")), None, llm={"max_num_seqs": 2},
+                env=INPROC) as e:
+        whole = e.run([{**sliced, "name": "w"}])["w"]
+        e.start(sliced)
+        t, slices = time.perf_counter(), 1
+        while not e.advance("a", 6):  # 6 tokens a slice (3 per batch slot)
+            time.sleep(0.5)
+            slices += 1
+        part = e.finish("a")
+        wall = time.perf_counter() - t
+    assert part["tokens"] == whole["tokens"] and slices >= 4
+    assert part["finish_reasons"] == ["length"] * 3
+    assert part["wave_seconds"][0] < wall - 0.5 * (slices - 1)
+    assert part["full_seconds"] and max(part["request_seconds"]) <= part["wave_seconds"][0]
     bad = Engine(str(resolve_model("smollm2-135m")), None, llm={"no_such_argument": 1},
                  env=INPROC)
     with pytest.raises(RuntimeError, match=r"engine run failed \(exit 1\)") as err:
@@ -738,6 +775,46 @@ def test_commands_without_overrides_refuse_unknown_flags(capsys):
     with pytest.raises(SystemExit):
         parse_args(["eval", "--max-steps=3"])
     assert "unrecognized arguments: --max-steps=3" in capsys.readouterr().err
+
+
+def test_bench_engines_take_turns_a_slice_at_a_time():
+    """`sliced_turn`: every engine starts the turn, then they advance it a slice each (the
+    slice's tokens: per batch slot), the order alternating from slice to slice, an engine whose
+    queue ended left out of the next ones; an engine that fails is handed to `lost` and the
+    others finish the turn."""
+    from treedraft.scripts.bench import sliced_turn
+
+    log = []
+
+    class Turns:  # an engine whose queue ends after `slices` slices (the call order recorded)
+        def __init__(self, name, slices, fails=False):
+            self.name, self.left, self.fails = name, slices, fails
+
+        def start(self, job, **kw):
+            log.append(("start", self.name))
+
+        def advance(self, name, tokens, **kw):
+            log.append((tokens, self.name))
+            self.left -= 1
+            if self.fails and self.left == 0:
+                raise RuntimeError("engine run failed")
+            return self.left == 0
+
+        def finish(self, name, **kw):
+            log.append(("finish", self.name))
+            return {"tokens": [[self.name]]}
+
+    turn = {"name": "T0-bs2#0", "batch_size": 2, "prompts": [[1]] * 4}
+    engines = {"a": Turns("a", 3), "b": Turns("b", 2), "c": Turns("c", 3, fails=True)}
+    lost = []
+    res = sliced_turn(engines, turn, 10, lost=lambda c, e: lost.append(c))
+    assert log[:3] == [("start", "a"), ("start", "b"), ("start", "c")]
+    assert [c for t, c in log[3:] if t == 20] == ["a", "b", "c", "c", "b", "a", "a", "c"]
+    assert lost == ["c"] and res == {"a": {"tokens": [["a"]]}, "b": {"tokens": [["b"]]}}
+    assert log[-2:] == [("finish", "a"), ("finish", "b")]
+    log.clear()
+    sliced_turn({"a": Turns("a", 1), "b": Turns("b", 1)}, turn, 10, reverse=True)
+    assert [c for t, c in log if t == 20] == ["b", "a"]  # the other round starts from the end
 
 
 def test_bench_engines_take_turns_a_few_requests_at_a_time():
