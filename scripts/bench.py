@@ -10,14 +10,15 @@ rejection sampler) and treedraft trees, side by side in one invocation.
     treedraft bench --waves ...      # waves of batch-size requests instead of a queue
     treedraft bench --prompts mtbench,humaneval --by-category ...   # τ per MT-bench category
 
-Each configuration runs in its own engine process (scripts/engine.py's `Engine`, as `vllm serve`
-runs one), all of them up at once, over MT-bench first turns for every batch size and
-temperature: by default a queue (below) at least 4 batches deep (with one prompt group, prompts
-are cycled to fill it). Every engine first runs an untimed warm-up of each job's shape at 32
-tokens per request (`warmup_jobs`: the engine's code paths and row counts warm, as in a server
-that has been running), `auto`'s engine every job whole (its arms measured in each job's
-contexts; `--no-warmup` times every engine from its first request); then the engines take turns
-on each job, a few requests at a time (`turns`, `run_order`, below). One progress bar shows
+Each configuration runs in its own engine process (scripts/engine.py's `Engine`; with slices,
+below, vLLM's engine core runs inside that process, so that it steps only when asked), all of
+them up at once, over MT-bench first turns for every batch size and temperature: by default a
+queue (below) at least 4 batches deep (with one prompt group, prompts are cycled to fill it).
+Every engine first runs an untimed warm-up of each job's shape at 32 tokens per request
+(`warmup_jobs`: the engine's code paths and row counts warm, as in a server that has been
+running), `auto`'s engine every job whole (its arms measured in each job's contexts;
+`--no-warmup` times every engine from its first request); then the engines take turns on each
+part of each job a slice at a time (`turns`, `sliced_turn`, below). One progress bar shows
 which engine and job run, tokens so far and an estimate of what is left. Writes OUT/bench.json (tokens/s, TPOT, mean
 acceptance length, per-depth acceptance, speedup vs no-spec per row, the machine), OUT/bench.md
 (the table and `speedup_chart`, the speedups as text bars) and two PNG plots (speedup vs batch
@@ -50,18 +51,21 @@ longest output.
 
 `--rounds N` (default 2): every job is cut into turns of about two batches (`turns`: 8
 prompts at batch 1 make 4 turns of 2, a queue of 32 at batch 8 two of 16); every turn runs N
-times in a row, each time on every engine in turn, the order alternating (A B C, C B A, A B C,
-...; `run_order`). A 2-core machine's speed moves by 10-30 % over seconds to minutes; with
-engines taking turns every few seconds, each configuration's share of a job spreads over the
-same minutes as the baseline's: every pair of turns cancels a drift linear in time, and a slow
-spell of a minute reaches every configuration, not only those run between two of the
-baseline's runs. A queue's turn is a queue of its own (the batch fills, refills as requests
-end, drains), its rate taken while its batch is full. A round of a job is each of its turns once, its results joined
-(`engine.concat`); each row holds the median tokens/s over the rounds and the median of the
-per-round speedups (each against the baseline's run of the same job and round), with their
-range (`speedup_range`, shown in the table as `1.02x (0.97-1.05)`) and every round's figures
-(`round_tokens_per_s`); `merge_rounds`. The engines
-sit idle while another runs (on a GPU each gets 0.9 / n of its memory).
+times in a row. A queue's turn is a queue of its own (the batch fills, refills as requests end,
+drains), its rate taken while its batch is full. Each time, every engine runs the turn's queue
+in slices of `--slice-tokens` (default 64) output tokens per batch slot, the engines taking
+turns slice by slice, the order alternating (A B C, C B A, ...; `sliced_turn`); each engine's
+clock runs only in its own slices (scripts/engine.py's `Sliced`). A 2-core machine's speed
+moves by 10-30 % over seconds to minutes; a slice is a second or a few, so a slow or fast spell
+reaches every configuration alike, where whole turns (seconds to tens of seconds each) let one
+configuration run its turns of two rounds back to back inside one spell. `--slice-tokens 0`
+runs each turn whole on every engine in turn instead, the order alternating from round to round
+(A B C, C B A; `run_order`), each engine's core in its own process as `vllm serve` runs it. A
+round of a job is each of its turns once, its results joined (`engine.concat`); each row holds
+the median tokens/s over the rounds and the median of the per-round speedups (each against the
+baseline's run of the same job and round), with their range (`speedup_range`, shown in the table
+as `1.02x (0.97-1.05)`) and every round's figures (`round_tokens_per_s`); `merge_rounds`. The
+engines sit idle while another runs (on a GPU each gets 0.9 / n of its memory).
 
 `--profile`: every engine's worker times its step phases (plugin/profile.py: prepare, target
 forward, tree attention inside it, verification, KV compaction inside it, drafting, the rest);

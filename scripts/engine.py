@@ -19,6 +19,11 @@ on). A request with its jobs in the file runs them and exits (tests/engine_host.
 
 `params` may name `structured_outputs` as a dict of StructuredOutputsParams fields.
 
+A job with `"op"` runs a continuous job a slice at a time (`Sliced`; `Engine.start`,
+`Engine.advance`, `Engine.finish`), so that several engines take turns every few seconds on
+the same queue (`treedraft bench`); it needs the engine core in the child's process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0 in its environment).
+
 The child prints one line ``TREEDRAFT_RESULT {...}``: per job the generated token ids, their
 logprobs (per output, the sampled tokens' logprobs; null where the request asked for none),
 the prompt tokens' logprobs (`prompt_logprobs`; null where not asked),
