@@ -741,15 +741,16 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
                                       events=progress.events, lost=lost)
                     for c, r in res.items():
                         parts.setdefault((c, n, rnd), []).append(r)
-            for rnd, (n, t), c in [] if sliced else run_order(configs, every, rounds):
-                if c not in engines:
-                    continue
-                try:
-                    res = engines[c].run([t], progress=progress.events(c))
-                except RuntimeError as e:
-                    lost(c, e)
-                    continue
-                parts.setdefault((c, n, rnd), []).append(res[t["name"]])
+            else:
+                for rnd, (n, t), c in run_order(configs, every, rounds):
+                    if c not in engines:
+                        continue
+                    try:
+                        res = engines[c].run([t], progress=progress.events(c))
+                    except RuntimeError as e:
+                        lost(c, e)
+                        continue
+                    parts.setdefault((c, n, rnd), []).append(res[t["name"]])
             # rows once every turn ran: a failed engine's turns are left out with it
             rows = [{**_row(c, jobs[n], concat(parts[c, n, rnd])), "round": rnd}
                     for n in range(len(jobs)) for rnd in range(rounds) for c in configs

@@ -304,15 +304,9 @@ def _run_job(llm, job: dict) -> dict:
         return _SLICED.pop(job["name"]).result()
     if op is not None:
         raise ValueError(f"job op {op!r}: start, advance or finish")
-    from vllm.inputs import TokensPrompt
-
     from treedraft.plugin import profile
 
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
-    raw = job["params"]
-    params = ([sampling_params(p) for p in raw] if isinstance(raw, list)
-              else [sampling_params(raw)] * len(prompts))
-    bs = job.get("batch_size") or len(prompts)
+    prompts, params, bs = _job_inputs(job)
     before = spec_counters(llm)
     prof = os.environ.get(profile.PROFILE_ENV)  # the worker's step profile (plugin/profile.py)
     prof_before = profile.read(prof)
@@ -322,11 +316,8 @@ def _run_job(llm, job: dict) -> dict:
         t = time.perf_counter()
         outs, starts, ends = _continuous(llm, prompts, params, bs, job["name"])
         runs = [(outs, time.perf_counter() - t)]
-        window = full_batch_window(starts, ends, [sum(len(c.token_ids) for c in o.outputs)
-                                                  for o in outs], bs)
-        queue = {"request_seconds": [e - s for s, e in zip(starts, ends, strict=True)],
-                 "full_tokens": window[0] if window else [0.0] * len(outs),
-                 "full_seconds": [window[1]] if window else []}
+        queue = _queue_times(starts, ends, [sum(len(c.token_ids) for c in o.outputs)
+                                            for o in outs], bs)
     else:
         runs = _waves(llm, prompts, params, bs, job["name"])
     for outs, seconds in runs:
@@ -359,6 +350,26 @@ def _run_job(llm, job: dict) -> dict:
     if prof:
         out["profile"] = profile.delta(prof_before, profile.read(prof))
     return out
+
+
+def _job_inputs(job: dict) -> tuple[list, list, int]:
+    """A job's prompts (TokensPrompt), SamplingParams (one per prompt) and batch size."""
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
+    raw = job["params"]
+    params = ([sampling_params(p) for p in raw] if isinstance(raw, list)
+              else [sampling_params(raw)] * len(prompts))
+    return prompts, params, job.get("batch_size") or len(prompts)
+
+
+def _queue_times(starts: list[float], ends: list[float], lengths: list[int], bs: int) -> dict:
+    """A continuous job's times: each request's seconds and the queue's stretch at full batch
+    (`full_batch_window`: tokens per request inside it, its seconds)."""
+    window = full_batch_window(starts, ends, lengths, bs)
+    return {"request_seconds": [e - s for s, e in zip(starts, ends, strict=True)],
+            "full_tokens": window[0] if window else [0.0] * len(starts),
+            "full_seconds": [window[1]] if window else []}
 
 
 def _waves(llm, prompts: list, params: list, bs: int, name: str):
@@ -413,7 +424,6 @@ class Sliced:
     process of its own keeps stepping between slices."""
 
     def __init__(self, llm, job: dict) -> None:
-        from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         from treedraft.plugin import profile
@@ -426,16 +436,12 @@ class Sliced:
         self.llm, self.engine, self.name = llm, llm.llm_engine, job["name"]
         if self.engine.has_unfinished_requests():
             raise RuntimeError("sliced job: the engine still runs requests of an earlier job")
-        self.prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
-        raw = job["params"]
-        self.params = [sampling_params(p) for p in (raw if isinstance(raw, list)
-                                                     else [raw] * len(self.prompts))]
+        self.prompts, self.params, self.bs = _job_inputs(job)
         for sp in self.params:
             if sp.n != 1 or sp.logprobs is not None or sp.prompt_logprobs is not None:
                 raise ValueError(f"job {self.name!r}: a sliced job returns one output's token "
                                  "ids per request (no n > 1, no logprobs)")
             sp.output_kind = RequestOutputKind.DELTA  # each step's new tokens: the slice's count
-        self.bs = job.get("batch_size") or len(self.prompts)
         self.before = spec_counters(llm)
         self.prof = os.environ.get(profile.PROFILE_ENV)
         self.prof_before = profile.read(self.prof)
@@ -486,16 +492,12 @@ class Sliced:
         if not self.done:
             raise RuntimeError(f"job {self.name!r} finished before its requests ended")
         n = len(self.prompts)
-        window = full_batch_window(self.started, self.ended, [len(t) for t in self.tokens],
-                                   self.bs)
         out = {"tokens": self.tokens, "logprobs": [None] * n, "top_logprobs": [None] * n,
                "finish_reasons": self.finish, "prompt_logprobs": [None] * n,
                "wave_seconds": [self.clock],
                "spec": counter_delta(self.before, spec_counters(self.llm)),
-               "request_seconds": [e - s for s, e in zip(self.started, self.ended,
-                                                         strict=True)],
-               "full_tokens": window[0] if window else [0.0] * n,
-               "full_seconds": [window[1]] if window else []}
+               **_queue_times(self.started, self.ended, [len(t) for t in self.tokens],
+                              self.bs)}
         if self.prof:
             out["profile"] = profile.delta(self.prof_before, profile.read(self.prof))
         return out
