@@ -67,6 +67,15 @@ baseline's run of the same job and round), with their range (`speedup_range`, sh
 as `1.02x (0.97-1.05)`) and every round's figures (`round_tokens_per_s`); `merge_rounds`. The
 engines sit idle while another runs (on a GPU each gets 0.9 / n of its memory).
 
+`--seed` (vLLM's seed, the same for every engine; default a new one per run, printed and kept
+in bench.json's meta): at T > 0 a configuration's replies are its own draw (speculation changes
+how the random numbers are used, so no two configurations sample the same text), and the text
+drawn moves a row's speed by several percent at batch 1 (on MT-bench at T=1 two fixed chains'
+16 replies accepted their first draft node 47 % and 39 % of steps, scripts/BENCHMARKS.md). Each
+round draws new replies, so the rounds' range holds that; a fresh seed per run makes two runs
+differ by it too, where one seed for every run would draw every fixed configuration the same
+replies each time (`--seed N` does, to repeat a run).
+
 `--profile`: every engine's worker times its step phases (plugin/profile.py: prepare, target
 forward, tree attention inside it, verification, KV compaction inside it, drafting, the rest);
 rows gain `profile_ms` (milliseconds per engine step) and OUT/profile.md holds the table.
@@ -81,6 +90,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 import time
 from pathlib import Path
 
@@ -641,7 +651,8 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
           enforce_eager: bool | None = None, stride: int | None = None,
           preset: str = "quick", profile: bool = False, by_category: bool = False,
           rounds: int | None = None, continuous: bool | None = None,
-          warmup: bool | None = None, slice_tokens: int | None = None) -> list[dict]:
+          warmup: bool | None = None, slice_tokens: int | None = None,
+          seed: int | None = None) -> list[dict]:
     from transformers import AutoTokenizer
 
     from treedraft.heads.machine import describe, resolve_dtype
@@ -668,6 +679,8 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
         raise ValueError(f"bench slice tokens must be >= 0 (0: whole turns), got "
                          f"{o['slice_tokens']}")
     sliced = continuous and o["slice_tokens"] > 0  # engines take turns a slice at a time
+    if seed is None:  # new sampled replies each run (module doc)
+        seed = random.SystemRandom().randrange(2**31)
     vllm_dtype = resolve_dtype(dtype)
     machine = describe()
     specs = {c: speculative_config(c, str(resolve_head(head))) for c in configs}  # fail early
@@ -699,9 +712,9 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
           f"{list(o['temperatures'])}; {len(configs)} configurations: {', '.join(configs)}"
           + (f"; {rounds} rounds in alternating order" if rounds > 1 else "")
           + (f"; engines take turns in slices of {o['slice_tokens']} tokens per batch slot"
-             if sliced else ""), flush=True)
+             if sliced else "") + f"; seed {seed}", flush=True)
     llm = {"max_num_seqs": max(o["batch_sizes"]), "dtype": vllm_dtype,
-           "enforce_eager": o["enforce_eager"]}
+           "enforce_eager": o["enforce_eager"], "seed": seed}
     if _cuda():  # the engines are up side by side: each gets its share of the GPU's memory
         llm["gpu_memory_utilization"] = round(0.9 / len(configs), 3)
     engines: dict[str, Engine] = {}
@@ -773,7 +786,8 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
             "dtype": vllm_dtype, "dtype_requested": dtype, "enforce_eager": o["enforce_eager"],
             "machine": machine, "seconds": time.perf_counter() - t0, "profile": profile,
             "rounds": rounds, "continuous": continuous,
-            "slice_tokens": o["slice_tokens"] if sliced else None, "failed": failed}
+            "slice_tokens": o["slice_tokens"] if sliced else None, "seed": seed,
+            "failed": failed}
     (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     table = markdown(rows)
     if len(groups) > 1:

@@ -216,6 +216,10 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-warmup", dest="warmup", action="store_false", default=None,
                    help="time the engines from their first request (default: every engine "
                         "first runs each job's shape for 32 tokens per request, untimed)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="vLLM's seed for every engine: which replies the T > 0 rows sample "
+                        "(default: a new one each run, printed and kept in bench.json; give it "
+                        "to draw the same replies again)")
     p.add_argument("--profile", action="store_true",
                    help="also time each engine step's phases (target forward, tree attention, "
                         "verification, KV compaction, drafting, the rest): OUT/profile.md")
@@ -236,7 +240,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
           args.out, dtype=args.dtype, enforce_eager=args.enforce_eager, stride=args.stride,
           preset="full" if args.full else "quick", profile=args.profile,
           by_category=args.by_category, rounds=args.rounds, continuous=args.continuous,
-          warmup=args.warmup, slice_tokens=args.slice_tokens)
+          warmup=args.warmup, slice_tokens=args.slice_tokens, seed=args.seed)
 
 
 OVERRIDES_HELP = (

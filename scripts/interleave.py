@@ -28,6 +28,13 @@ machine's drift nor easier text favours one of them. Two engines of the same con
 Xeon they agreed within 3 % this way where whole passes as turns had them 16 % apart
 (scripts/BENCHMARKS.md).
 
+At T > 0 the requests carry no seed: every engine draws from this process's random numbers, so
+each engine and each pass samples replies of its own, as a server's unseeded requests do. Which
+replies a configuration draws moves its speed by several percent at batch 1 (the text decides
+how much the head's drafts accept), and passes and A/A pairs then show that share of the spread
+too; with one seed for every request, each engine would draw the same replies in every pass
+and an A/A pair of a fixed configuration the same replies as each other.
+
 `--ops PHASE` runs each engine's calls of one step phase (`OP_PHASES`: drafting, verify, forward,
 prepare) under torch's profiler and prints, per engine, the torch ops those calls ran: calls and
 self CPU milliseconds per step, most expensive first: what a phase's milliseconds (`--profile`)
@@ -289,8 +296,9 @@ def main(argv=None) -> None:
     from vllm.sampling_params import RequestOutputKind
 
     # --lockstep counts each step's new tokens (DELTA)
+    # no per-request seed: at T > 0 every engine and pass samples replies of its own (module doc)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens,
-                            ignore_eos=True, seed=1,
+                            ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA if args.lockstep
                             else RequestOutputKind.CUMULATIVE)
     names, times = list(engines), {c: [] for c in engines}

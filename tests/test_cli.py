@@ -520,15 +520,17 @@ def test_bench_reports_the_other_configs_when_one_engine_fails(tmp_path, monkeyp
     """An engine that dies (e.g. a baseline vLLM method at T=1) costs its own row, not the bench:
     the other configurations run and are tabled, the failure is named with its log; a failed
     baseline stops the bench (nothing to compare with). The same with the engines taking turns
-    in slices (start, advance, finish per turn) and without (one run per turn)."""
+    in slices (start, advance, finish per turn) and without (one run per turn). Every engine
+    gets the run's seed: a new one unless given."""
     from treedraft.scripts import engine
     from treedraft.scripts.bench import bench
 
-    calls = []
+    calls, seeds = [], []
 
     class Fake:  # the engine's result format, without an engine
         def __init__(self, target_dir, spec, **kw):
             self.spec, self.log, self.jobs = spec, "engine log", {}
+            seeds.append(kw["llm"]["seed"])
 
         def start(self, job, **kw):
             self.jobs[job["name"]] = job
@@ -575,7 +577,13 @@ def test_bench_reports_the_other_configs_when_one_engine_fails(tmp_path, monkeyp
     assert "ngram=3 FAILED" in out and "Worker failed with error 'x'" in out
     assert "FAILED, not in the table: ngram=3" in out
     assert "Worker failed" in (tmp_path / "b" / "engine-1.log").read_text()
-    assert json.loads((tmp_path / "b" / "bench.json").read_text())["meta"]["failed"] == ["ngram=3"]
+    meta = json.loads((tmp_path / "b" / "bench.json").read_text())["meta"]
+    assert meta["failed"] == ["ngram=3"]
+    # every engine got the run's seed, drawn afresh (T > 0 replies differ from run to run)
+    assert len(seeds) == 3 and set(seeds) == {meta["seed"]} and f"seed {seeds[0]}" in out
+    seeds.clear()
+    bench(configs=["no-spec", "chain=2"], **{**kw, "seed": 7})
+    assert seeds == [7, 7]
     md = (tmp_path / "b" / "bench.md").read_text()  # the chart of what ran, the baseline left out
     assert "speedup vs no-spec, T=0" in md and "  chain=2 " in md and "ngram=3" not in md
     with pytest.raises(RuntimeError, match="engine run failed"):
