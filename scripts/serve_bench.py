@@ -17,7 +17,8 @@ bench` measures a queue (`engine.full_batch_window`, from vLLM's detailed result
 times, latencies, output lengths); `wall_tokens_per_s` is vLLM's
 output throughput over the whole run, the drain at its end included. The speedup of a run is
 its tokens/s over the baseline's (the first configuration's) in the same round; rows hold the
-median and range, as `treedraft bench`'s do.
+median and range, as `treedraft bench`'s do. Every server gets the run's `--seed` (by default
+a new one per run, as `treedraft bench` draws: at T > 0 a run's replies are a draw of their own).
 Writes OUT/serve_bench.json (every run's `vllm bench serve` result) and OUT/serve_bench.md; each
 server's log is OUT/serve-N.log.
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import random
 import shutil
 import statistics
 import subprocess
@@ -130,7 +132,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--port", type=int, default=8100, help="the first server's; then +1 each")
     p.add_argument("--out", default="runs/serve_bench")
+    p.add_argument("--seed", type=int, default=None,
+                   help="every server's vllm serve --seed (default: a new one each run)")
     a = p.parse_args(argv)
+    seed = random.SystemRandom().randrange(2**31) if a.seed is None else a.seed
     configs = tuple(a.config or ("no-spec", "chain=3", "auto"))
     conc = [int(c) for c in a.concurrency.split(",")]
     temps = [float(t) for t in a.temperatures.split(",")]
@@ -146,7 +151,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     dtype = resolve_dtype(a.dtype)
     print(f"[serve_bench] {describe()}; vLLM dtype {dtype}, eager; {len(ds)} MT-bench prompts x "
           f"{a.max_new_tokens} tokens; concurrency {conc}, T {temps}; {a.rounds} rounds; "
-          f"configurations: {', '.join(configs)}", flush=True)
+          f"configurations: {', '.join(configs)}; seed {seed}", flush=True)
     ports: dict[str, int] = {}
     runs: list[dict] = []
     procs: list[subprocess.Popen] = []
@@ -154,7 +159,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for i, c in enumerate(configs):
             ports[c] = a.port + i
             cmd = [vllm, "serve", target, "--dtype", dtype, "--enforce-eager",
-                   "--max-num-seqs", str(max(conc)), "--max-model-len", "2048", "--seed", "0"]
+                   "--max-num-seqs", str(max(conc)), "--max-model-len", "2048", "--seed", str(seed)]
             if specs[c] is not None:
                 cmd += ["--speculative-config", json.dumps(specs[c])]
             # one at a time: start-ups do not overlap
@@ -191,7 +196,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                   f"{runs[-1]['tokens_per_s']:.1f} output tok/s at full concurrency "
                   f"({res['output_throughput']:.1f} over the whole run)", flush=True)
     rows = summarize(runs, configs[0])
-    (out / "serve_bench.json").write_text(json.dumps({"runs": runs, "rows": rows}, indent=1))
+    result = {"seed": seed, "runs": runs, "rows": rows}
+    (out / "serve_bench.json").write_text(json.dumps(result, indent=1))
     table = markdown(rows)
     (out / "serve_bench.md").write_text(table)
     print(table)
