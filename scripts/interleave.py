@@ -25,8 +25,8 @@ default 64), each stepping (`LLMEngine.step`) until it has produced as many toke
 others: they run the same queue at the same moment, a few seconds apart, so neither the
 machine's drift nor easier text favours one of them. Two engines of the same configuration
 (`--config X --config X`, the second named `X #2`) show the spread that is left: on a 2-core
-Xeon they agreed within 3 % this way where whole passes as turns had them 16 % apart
-(scripts/BENCHMARKS.md).
+Xeon two `chain=3` engines sampling the same T=1 replies agreed within 3 % this way where whole
+passes as turns had them 16 % apart (scripts/BENCHMARKS.md).
 
 At T > 0 the requests carry no seed: every engine draws from this process's random numbers, so
 each engine and each pass samples replies of its own, as a server's unseeded requests do. Which
