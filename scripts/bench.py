@@ -193,6 +193,12 @@ def warmup_jobs(jobs: list[dict], tokens: int = 32, learns: bool = False) -> lis
             for j in jobs]
 
 
+def run_seed(seed: int | None) -> int:
+    """The seed a run's engines get: `seed`, or where None a new one (at T > 0 each run then
+    samples replies of its own: the module doc's `--seed`)."""
+    return random.SystemRandom().randrange(2**31) if seed is None else seed
+
+
 def learns(spec: dict | None) -> bool:
     """Whether an engine with this speculative config chooses its drafts from what it measures:
     a treedraft head under "auto" (plugin.config.asks_auto, the rule the plugin applies)."""
@@ -679,8 +685,7 @@ def bench(target: str = "smollm2-135m", head: str = "smollm2-135m-eagle",
         raise ValueError(f"bench slice tokens must be >= 0 (0: whole turns), got "
                          f"{o['slice_tokens']}")
     sliced = continuous and o["slice_tokens"] > 0  # engines take turns a slice at a time
-    if seed is None:  # new sampled replies each run (module doc)
-        seed = random.SystemRandom().randrange(2**31)
+    seed = run_seed(seed)
     vllm_dtype = resolve_dtype(dtype)
     machine = describe()
     specs = {c: speculative_config(c, str(resolve_head(head))) for c in configs}  # fail early

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import random
 import shutil
 import statistics
 import subprocess
@@ -113,7 +112,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from treedraft.training.data import first_turn, load_prompts
     from treedraft.training.models import resolve_model
 
-    from .bench import PRESETS, run_order, speculative_config
+    from .bench import PRESETS, run_order, run_seed, speculative_config
     from .engine import full_batch_window
 
     q = PRESETS["quick"]
@@ -135,7 +134,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--seed", type=int, default=None,
                    help="every server's vllm serve --seed (default: a new one each run)")
     a = p.parse_args(argv)
-    seed = random.SystemRandom().randrange(2**31) if a.seed is None else a.seed
+    seed = run_seed(a.seed)
     configs = tuple(a.config or ("no-spec", "chain=3", "auto"))
     conc = [int(c) for c in a.concurrency.split(",")]
     temps = [float(t) for t in a.temperatures.split(",")]
