@@ -358,15 +358,36 @@ class TreeDraftProposer:
         """Draft token lists in `runner.input_batch.req_ids` order (empty: no draft).
 
         accepted: req_id -> accepted node ids of this step's tree (tree mode), else chains.
+        One step, top to bottom: forget the requests vLLM dropped; log the pairs of every
+        scheduled request; choose the step's spec and node budget (the policy, for `"auto"`);
+        the drafting requests' sessions read their pending pairs; draft; the policy observes.
         """
-        ib = runner.input_batch
-        # vLLM's runner keeps a request's state while it lives (running, left out of a step by
-        # the token budget, or preempted) and drops it when it finishes: so do we. A request
-        # left out of this batch keeps its session and tree; a preempted one rewinds its session
-        # to what vLLM recomputes (`_record_pairs`), so its head context is rebuilt, not lost.
         if accepted and self.source_stats is not None:
             self._count_sources(accepted)
-        for gone in self._known - runner.requests.keys():
+        self._forget(runner.requests.keys())
+        work = self._scheduled(runner, scheduler_output, sampled_token_ids)
+        if self.head is not None and work:
+            self._record_pairs(runner, scheduler_output, work, accepted, hidden_states,
+                               aux_hidden_states)
+        eligible, spec, budget = self._plan(runner, scheduler_output, work)
+        self._read_pending(work, eligible, spec)
+        drafts, probs = self._draft(runner, work, eligible, spec, budget, hidden_states.device)
+        if self.auto is not None:
+            self.auto.step_done(scheduler_output, sum(len(s) for _, _, s, _ in work), len(work))
+        self.last_draft_probs = self._draft_probs(runner, drafts, probs) if probs else None
+        if probs:
+            logger.info_once(
+                "treedraft: chains of sampling requests draw drafts from the head's q and pass "
+                "q to vLLM's rejection sampler as draft probabilities")
+        return drafts
+
+    def _forget(self, alive) -> None:
+        """Drop what is kept for requests vLLM no longer holds. vLLM's runner keeps a request's
+        state while it lives (running, left out of a step by the token budget, or preempted)
+        and drops it when it finishes: so do we. A request left out of this batch keeps its
+        session and tree; a preempted one rewinds its session to what vLLM recomputes
+        (`_record_pairs`), so its head context is rebuilt, not lost."""
+        for gone in self._known - alive:
             self._known.discard(gone)
             self._keep_prefix(self.sessions.pop(gone, None), self._requests.pop(gone, None))
             self.lookups.pop(gone, None)
@@ -377,16 +398,16 @@ class TreeDraftProposer:
             self._info.pop(gone, None)
         if self.source_stats is not None:  # draft sessions held now (leak check: /metrics)
             self.source_stats.set_live(len({*self.sessions, *self.lookups, *self.trees}))
-        budget = getattr(scheduler_output, "num_spec_tokens_to_schedule", None)
-        budget = self.spec.max_nodes if budget is None else min(budget, self.spec.max_nodes)
-        # 1. every request's known pairs wait for its head session (PendingPairs); the sessions
-        # of the requests that draft this step read theirs in one packed head forward (below)
-        work = []  # work: (i, req_id, sampled, session) of scheduled requests
+
+    def _scheduled(self, runner, scheduler_output, sampled_token_ids) -> list[tuple]:
+        """(i, req_id, sampled tokens, head session) of each request scheduled this step; a
+        request new to the head gets its session here (seeded from the prefix cache's)."""
+        ib = runner.input_batch
         scheduled = scheduler_output.num_scheduled_tokens
         sessions = self.sessions
+        work = []
         for i, req_id in enumerate(ib.req_ids):
-            n = scheduled.get(req_id, 0)
-            if n == 0:
+            if scheduled.get(req_id, 0) == 0:
                 continue
             session = None
             if self.head is not None:
@@ -396,20 +417,19 @@ class TreeDraftProposer:
                     self._known.add(req_id)
                     self._seed(runner, req_id, int(ib.num_computed_tokens_cpu[i]), session)
             work.append((i, req_id, sampled_token_ids[i], session))
-        if self.head is not None and work:
-            self._record_pairs(runner, scheduler_output, work, accepted, hidden_states,
-                               aux_hidden_states)
-        # 2. drafts: sampled chains of all requests in lockstep (heads.sampling.draft_chains);
-        # trees (and greedy chains) of all requests together, a tree level of every request in
-        # one head forward (heads.lookup.draft_hybrids)
-        drafts: list[list[int]] = [[] for _ in ib.req_ids]
-        probs = {}  # row -> q [K, V] of sampled chains
-        # no draft: partial prefill chunk, params trees cannot honour, or no budget (vLLM's
-        # schedule, or auto's choice)
+        return work
+
+    def _plan(self, runner, scheduler_output, work) -> tuple[list[tuple], object, int]:
+        """(the requests that draft, the step's spec, its node budget). The budget is vLLM's
+        schedule (`num_spec_tokens_to_schedule`) capped by the spec; `"auto"` picks the spec
+        (its arm for this batch) and may draft nothing. A request drafts when it sampled a
+        token (not a partial prefill chunk) and, in tree mode, trees can honour its params."""
+        budget = getattr(scheduler_output, "num_spec_tokens_to_schedule", None)
+        budget = self.spec.max_nodes if budget is None else min(budget, self.spec.max_nodes)
         eligible = [(i, req_id, sampled, session) for i, req_id, sampled, session in work
                     if sampled and not (self.tree_mode and self._request_info(runner, req_id)[0])]
-        spec = None  # the tree of this step (auto), else spec_for(budget) below
-        if self.auto is not None:  # "tree": "auto": the arm the policy plays this step
+        spec = None
+        if self.auto is not None:
             if eligible and budget:
                 n_sampling = sum(self._sampled_params(runner, r) is not None
                                  for _, r, *_ in eligible)
@@ -417,32 +437,48 @@ class TreeDraftProposer:
             budget = min(budget, spec.max_nodes) if spec is not None else 0
         if not budget:
             eligible = []
-        spec = spec or (self.spec_for(budget) if budget else self.spec)
+        return eligible, spec or (self.spec_for(budget) if budget else self.spec), budget
+
+    def _read_pending(self, work, eligible, spec) -> None:
+        """The drafting requests' sessions read their pending pairs in one packed head forward
+        (`heads.common.commit_sessions`), and so does any session whose pending pairs are
+        `full` (bounded memory, no lost context). A step that drafts nothing and only logged
+        its pairs has nothing to do (the pending pairs are as the last step left them)."""
+        if self.head is None:
+            return
         # the requests whose head drafts (lookup alone reads no head session)
         drafting = {req_id for _, req_id, *_ in eligible} if spec.has_head else set()
-        # the drafting requests' sessions read what is pending (and so does any session with
-        # `full` pending pairs: bounded memory, no lost context); nothing to do in a step that
-        # drafts nothing and only logged its pairs (the pending pairs are as the last step left)
-        if self.head is not None and (drafting or self.log.full or not self.log):
-            self.log.drain(self.pending, self._known)
-            flushed = []
-            for _, req_id, _, session in work:
-                pending = self.pending.get(req_id)
-                if pending is None or (req_id not in drafting and not pending.full):
-                    continue
-                if (item := pending.flush(session)) is not None:
-                    flushed.append(item)
-            commit_sessions(flushed)
-        if self.trees or self.chain_q or self.sources:
+        if not (drafting or self.log.full or not self.log):
+            return
+        self.log.drain(self.pending, self._known)
+        flushed = []
+        for _, req_id, _, session in work:
+            pending = self.pending.get(req_id)
+            if pending is None or (req_id not in drafting and not pending.full):
+                continue
+            if (item := pending.flush(session)) is not None:
+                flushed.append(item)
+        commit_sessions(flushed)
+
+    def _draft(self, runner, work, eligible, spec, budget, device
+               ) -> tuple[list[list[int]], dict]:
+        """(drafts per batch row, q per row of the sampled chains that go to vLLM's rejection
+        sampler). Sampled requests draw from q where the head's part of the step's spec is a
+        chain (auto's chain arms) or another fixed shape (static, paths: each node's children
+        drawn without replacement), lookup nodes grafted after them
+        (`heads.sampling.draft_chains` / `draft_sampled_trees`, all of them in lockstep); the
+        others draft their trees (and greedy chains) together, a tree level of every request
+        in one head forward (`heads.lookup.draft_hybrids`)."""
+        ib = runner.input_batch
+        drafts: list[list[int]] = [[] for _ in ib.req_ids]
+        probs = {}  # row -> q [K, V] of sampled chains (chain mode)
+        if self.trees or self.chain_q or self.sources:  # last step's trees are verified
             drafted_now = {req_id for _, req_id, *_ in eligible}
             for _, req_id, *_ in work:
                 self.chain_q.pop(req_id, None)  # drafted again below, or not at all
                 if req_id not in drafted_now:
                     self.trees.pop(req_id, None)
                     self.sources.pop(req_id, None)
-        # sampled requests draw from q where the head's part of this step's trees is a chain
-        # (auto's chain arms) or another fixed shape (static, paths: each node's children drawn
-        # without replacement), lookup nodes grafted after them
         chain_depth = min((spec.head_spec.chain_nodes or 0) if spec.has_head else 0, budget)
         shape = (fixed_parents(spec.head_spec, self.rates) if self.tree_mode and spec.has_head
                  and not chain_depth and spec.head_spec.is_fixed else None)
@@ -462,8 +498,7 @@ class TreeDraftProposer:
             drawn = [(chain, q, list(range(1, chain_depth + 1)), list(range(chain_depth)))
                      for chain, q in draft_chains([job for _, job in drawing], chain_depth)]
         elif drawing:
-            drawn = draft_sampled_trees([job for _, job in drawing], shape,
-                                        device=hidden_states.device)
+            drawn = draft_sampled_trees([job for _, job in drawing], shape, device=device)
         for (i, _), (tree, q, nodes, rows) in zip(drawing, drawn, strict=True):
             drafts[i] = tree.tokens[1:].tolist()
             if not self.tree_mode:
@@ -471,24 +506,17 @@ class TreeDraftProposer:
                 continue
             req_id = ib.req_ids[i]  # -> plugin/sampler.verify_trees, with the nodes' q
             index = self._lookup_index(ib, i, req_id) if spec.lookup else None
-            hybrid, ids = graft_lookup(tree, index, spec.lookup, device=hidden_states.device)
+            hybrid, ids = graft_lookup(tree, index, spec.lookup, device=device)
             drafts[i] = hybrid.tree.tokens[1 : budget + 1].tolist()
             self.trees[req_id] = hybrid.tree
             self.chain_q[req_id] = (q, [ids[n - 1] for n in nodes], rows)
             self.sources[req_id] = hybrid.sources
         hybrids = draft_hybrids([(root, session, index) for _, _, root, session, index in jobs],
-                                spec, self.rates, device=hidden_states.device) if jobs else []
+                                spec, self.rates, device=device) if jobs else []
         for (i, req_id, *_), hybrid in zip(jobs, hybrids, strict=True):
             self.trees[req_id], self.sources[req_id] = hybrid.tree, hybrid.sources
             drafts[i] = hybrid.tree.tokens[1 : budget + 1].tolist()  # make_request keeps these
-        if self.auto is not None:
-            self.auto.step_done(scheduler_output, sum(len(s) for _, _, s, _ in work), len(work))
-        self.last_draft_probs = self._draft_probs(runner, drafts, probs) if probs else None
-        if probs:
-            logger.info_once(
-                "treedraft: chains of sampling requests draw drafts from the head's q and pass "
-                "q to vLLM's rejection sampler as draft probabilities")
-        return drafts
+        return drafts, probs
 
     def _seed(self, runner, req_id: str, computed: int, session) -> None:
         """A new session of a request whose first `computed` tokens the target took from its
