@@ -1,7 +1,7 @@
 """`treedraft bench`: vLLM without speculation, vLLM ngram, our head as a chain (vLLM's own
 rejection sampler) and treedraft trees, side by side in one invocation.
 
-    treedraft bench                  # the main job (~20 min on 2 cores): 8 MT-bench questions
+    treedraft bench                  # the main job (10-26 min on 2 cores): 8 MT-bench questions
     treedraft bench --full           # full MT-bench: 80 first turns x 256 tokens, bs 1..32 (hours)
     treedraft bench --limit 2 --max-new-tokens 32 --batch-sizes 1 --temperatures 0   # a look
     treedraft bench --stride 10 --limit 8 --batch-sizes 1 --config no-spec --config chain=1
@@ -82,7 +82,7 @@ rows gain `profile_ms` (milliseconds per engine step) and OUT/profile.md holds t
 
 dtype: `auto` (default) is this machine's choice (heads/machine.py): bfloat16 where the CPU
 has AMX/AVX512-BF16, float32 on AVX2-only CPUs, where vLLM's bf16 runs several times slower;
-`--dtype` overrides it. The quick preset runs engines eager (each compiled engine takes minutes
+`--dtype` overrides it. The main job runs engines eager (each compiled engine takes minutes
 to start on a 2-core CPU); `--full` compiles, as `vllm serve` does by default.
 """
 
